@@ -1,0 +1,91 @@
+// Thin wrappers over the PTX instructions the sm80 kernels are built from. Each is a few
+// lines; the fragment-layout facts the kernels rely on are stated where they are used.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace flash_ext {
+
+__device__ __forceinline__ uint32_t smem_address(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// 16-byte global -> shared copy through L2 only (.cg: tiles are reused from shared memory,
+// not L1). With `valid` false nothing is read and the 16 bytes are zero-filled, which is how
+// ragged tiles past the end of a sequence become zeros.
+__device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most `kPending` committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Four 8x8 b16 matrices; lane i supplies the row address of matrix i/8, row i%8. Each lane
+// receives, of matrix j, register j = elements (row lane/4, columns 2*(lane%4) and +1).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&frag)[4], uint32_t smem_src) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
+               : "r"(smem_src));
+}
+
+// As ldmatrix_x4, each matrix transposed: register j = (column lane/4, rows 2*(lane%4) and +1).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&frag)[4], uint32_t smem_src) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
+               : "r"(smem_src));
+}
+
+// D (16x8 fp32) += A (16x16, row-major) * B (16x8, column-major), 16-bit inputs.
+// Fragments, with g = lane/4, t = lane%4:
+//   A: a0 = (row g, cols 2t,2t+1), a1 = (row g+8, same), a2 = (row g, cols 2t+8,+9), a3 = (row g+8, same)
+//   B: b0 = (rows 2t,2t+1, col g), b1 = (rows 2t+8,+9, col g)
+//   D: d0,d1 = (row g, cols 2t,2t+1), d2,d3 = (row g+8, cols 2t,2t+1)
+template <typename Element>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                             uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                      uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats -> one register of two 16-bit values (round to nearest), `lo` in the low half.
+template <typename Element>
+__device__ __forceinline__ uint32_t pack_float2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t pack_float2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack_float2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+}  // namespace flash_ext

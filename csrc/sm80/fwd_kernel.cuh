@@ -1,0 +1,256 @@
+// FlashAttention-2-style forward kernel on mma.sync (sm80 and newer).
+//
+// One CTA computes kBlockM query rows of one (batch, head). Q is loaded to shared memory
+// once; K and V tiles of kBlockN keys stream through shared memory with cp.async, each load
+// overlapping the other tile's math (V[n] loads during S = Q·K[n]ᵀ and the softmax, K[n-1]
+// loads during O += P·V[n]). Scores and probabilities live in registers: P is converted to
+// 16 bits in place and used directly as the A operand of the P·V mma.
+//
+// Key blocks are visited from the last to the first, so the blocks that need an element-wise
+// mask (the ragged end of the keys, and for causal the blocks crossing the diagonal) come
+// first and the rest of the loop runs unmasked.
+#pragma once
+
+#include <cstdint>
+
+#include "../common/online_softmax.cuh"
+#include "../common/ptx.cuh"
+#include "../params.h"
+#include "fwd_tile_config.h"
+
+namespace flash_ext::sm80 {
+
+// Copies `rows` x kHeadDim elements (row r at gmem + r * gmem_row_stride) into a padded
+// shared tile; rows at or past `valid_rows` are zero-filled.
+template <typename Config, int kRows, typename Element>
+__device__ __forceinline__ void load_tile_async(Element* smem, const Element* gmem, int64_t gmem_row_stride,
+                                                int valid_rows) {
+  constexpr int kChunksPerRow = Config::kHeadDim * sizeof(Element) / 16;
+  constexpr int kElementsPerChunk = 16 / sizeof(Element);
+  // Not unrolled: unrolled, ptxas keeps every chunk's address live across the main loop
+  // (hd128: ~60 more registers, and spills).
+#pragma unroll 1
+  for (int chunk_id = threadIdx.x; chunk_id < kRows * kChunksPerRow; chunk_id += Config::kThreads) {
+    const int row = chunk_id / kChunksPerRow;
+    const int col = chunk_id % kChunksPerRow * kElementsPerChunk;
+    const bool valid = row < valid_rows;
+    const Element* src = valid ? gmem + row * gmem_row_stride + col : gmem;
+    cp_async_16(smem_address(smem + row * Config::kSmemRowPitch + col), src, valid);
+  }
+}
+
+// Sets to -inf the scores of keys past the end of the sequence and, if causal, of keys in
+// the future of their query (bottom-right aligned: row i sees keys j <= i + causal_offset).
+template <int kMTiles, int kNTilesS>
+__device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
+                                            int seqlen_k, bool causal, int causal_offset) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = first_row + mi * 16 + lane / 4 + 8 * half;
+      const int key_limit = causal ? min(seqlen_k, row + causal_offset + 1) : seqlen_k;
+#pragma unroll
+      for (int nj = 0; nj < kNTilesS; ++nj) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = first_key + nj * 8 + 2 * (lane % 4) + e;
+          if (key >= key_limit) acc_s[mi][nj][2 * half + e] = -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+template <typename Config, typename Element>
+__global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const __grid_constant__ FwdParams params) {
+  constexpr int kHeadDim = Config::kHeadDim;
+  constexpr int kBlockM = Config::kBlockM;
+  constexpr int kBlockN = Config::kBlockN;
+  constexpr int kMTiles = Config::kMTiles;
+  constexpr int kPitch = Config::kSmemRowPitch;
+  constexpr int kNTilesS = kBlockN / 8;   // mma n-tiles across one score block
+  constexpr int kNTilesO = kHeadDim / 8;  // mma n-tiles across the output's head dim
+  constexpr int kChunksPerRow = kHeadDim * sizeof(Element) / 16;
+
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  Element* smem_q = reinterpret_cast<Element*>(smem_bytes);
+  Element* smem_k = smem_q + kBlockM * kPitch;
+  Element* smem_v = smem_k + kBlockN * kPitch;
+
+  // Heaviest query blocks (causal: the last ones) are launched first for a better tail.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_head = head / params.heads_per_kv();
+  const int first_row = m_block * kBlockM;
+  const int valid_rows = min(kBlockM, params.seqlen_q - first_row);
+  const int causal_offset = params.seqlen_k - params.seqlen_q;
+
+  const Element* q = static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
+                     head * params.q_strides.head + first_row * params.q_strides.row;
+  const Element* k = static_cast<const Element*>(params.k) + batch * params.k_strides.batch +
+                     kv_head * params.k_strides.head;
+  const Element* v = static_cast<const Element*>(params.v) + batch * params.v_strides.batch +
+                     kv_head * params.v_strides.head;
+  Element* out = static_cast<Element*>(params.out) + batch * params.out_strides.batch +
+                 head * params.out_strides.head + first_row * params.out_strides.row;
+  float* lse = params.lse + (static_cast<int64_t>(batch) * params.heads_q + head) * params.seqlen_q + first_row;
+
+  // Keys this block can see: all of them, or for causal up to the last row's diagonal.
+  int key_end = params.seqlen_k;
+  if (params.causal) key_end = min(key_end, first_row + kBlockM + causal_offset);
+  const int num_key_blocks = key_end > 0 ? (key_end + kBlockN - 1) / kBlockN : 0;
+
+  if (num_key_blocks == 0) {  // every row of the block sees no key: output 0, lse -inf
+    for (int i = threadIdx.x; i < valid_rows * kChunksPerRow; i += Config::kThreads) {
+      const int row = i / kChunksPerRow, col = i % kChunksPerRow * (16 / sizeof(Element));
+      *reinterpret_cast<uint4*>(out + row * params.out_strides.row + col) = make_uint4(0, 0, 0, 0);
+    }
+    for (int row = threadIdx.x; row < valid_rows; row += Config::kThreads) lse[row] = -INFINITY;
+    return;
+  }
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int warp_first_row = warp * Config::kRowsPerWarp;  // within the block
+
+  load_tile_async<Config, kBlockM>(smem_q, q, params.q_strides.row, valid_rows);
+  int key_block = num_key_blocks - 1;
+  load_tile_async<Config, kBlockN>(smem_k, k + key_block * kBlockN * params.k_strides.row, params.k_strides.row,
+                                   params.seqlen_k - key_block * kBlockN);
+  cp_async_commit();
+
+  float acc_o[kMTiles][kNTilesO][4] = {};
+  OnlineSoftmax<kMTiles> softmax;
+
+  // ldmatrix row addresses for this lane (see ldmatrix_x4 in ptx.cuh for the lane -> matrix map).
+  // Q (A operand, 16x16 per x4): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15).
+  const uint32_t q_lane_addr = smem_address(smem_q + (warp_first_row + lane % 16) * kPitch + lane / 16 * 8);
+  // K (B operand of S = Q·Kᵀ, two n-tiles of 8 keys x 16 dims per x4): K rows are keys.
+  const uint32_t k_lane_addr = smem_address(smem_k + (lane % 8 + lane / 16 * 8) * kPitch + (lane / 8 % 2) * 8);
+  // V (B operand of O = P·V, 16 keys x two n-tiles of 8 dims per x4, transposed on load).
+  const uint32_t v_lane_addr = smem_address(smem_v + (lane % 8 + (lane / 8 % 2) * 8) * kPitch + lane / 16 * 8);
+
+  auto process_key_block = [&](auto is_first, auto needs_mask) {
+    // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
+    cp_async_wait<0>();
+    __syncthreads();
+    load_tile_async<Config, kBlockN>(smem_v, v + key_block * kBlockN * params.v_strides.row, params.v_strides.row,
+                                     params.seqlen_k - key_block * kBlockN);
+    cp_async_commit();
+
+    // S = Q · Kᵀ for this warp's rows: kMTiles x kNTilesS accumulator tiles.
+    float acc_s[kMTiles][kNTilesS][4] = {};
+#pragma unroll
+    for (int kstep = 0; kstep < kHeadDim / 16; ++kstep) {
+      uint32_t q_frag[kMTiles][4];
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        ldmatrix_x4(q_frag[mi], q_lane_addr + (mi * 16 * kPitch + kstep * 16) * sizeof(Element));
+      }
+#pragma unroll
+      for (int nj = 0; nj < kNTilesS; nj += 2) {
+        uint32_t k_frag[4];  // {b0, b1} of n-tile nj, then of n-tile nj+1
+        ldmatrix_x4(k_frag, k_lane_addr + (nj * 8 * kPitch + kstep * 16) * sizeof(Element));
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+          mma_m16n8k16<Element>(acc_s[mi][nj], q_frag[mi], k_frag[0], k_frag[1]);
+          mma_m16n8k16<Element>(acc_s[mi][nj + 1], q_frag[mi], k_frag[2], k_frag[3]);
+        }
+      }
+    }
+
+    if constexpr (decltype(needs_mask)::value) {
+      mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, params.seqlen_k, params.causal,
+                  causal_offset);
+    }
+    softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.scale_log2);
+
+    // P in 16 bits, laid out as mma A fragments: accumulator tiles (2j, 2j+1) of a row block
+    // are exactly the A fragment of k-step j (registers d0d1 -> a0/a2, d2d3 -> a1/a3).
+    uint32_t p_frag[kMTiles][kBlockN / 16][4];
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int kstep = 0; kstep < kBlockN / 16; ++kstep) {
+        p_frag[mi][kstep][0] = pack_float2<Element>(acc_s[mi][2 * kstep][0], acc_s[mi][2 * kstep][1]);
+        p_frag[mi][kstep][1] = pack_float2<Element>(acc_s[mi][2 * kstep][2], acc_s[mi][2 * kstep][3]);
+        p_frag[mi][kstep][2] = pack_float2<Element>(acc_s[mi][2 * kstep + 1][0], acc_s[mi][2 * kstep + 1][1]);
+        p_frag[mi][kstep][3] = pack_float2<Element>(acc_s[mi][2 * kstep + 1][2], acc_s[mi][2 * kstep + 1][3]);
+      }
+    }
+
+    // V[key_block] has landed; every warp is done reading K, so the next K may load.
+    cp_async_wait<0>();
+    __syncthreads();
+    if (key_block > 0) {
+      load_tile_async<Config, kBlockN>(smem_k, k + (key_block - 1) * kBlockN * params.k_strides.row,
+                                       params.k_strides.row, params.seqlen_k - (key_block - 1) * kBlockN);
+    }
+    cp_async_commit();
+
+    // O += P · V.
+#pragma unroll
+    for (int kstep = 0; kstep < kBlockN / 16; ++kstep) {
+#pragma unroll
+      for (int nd = 0; nd < kNTilesO; nd += 2) {
+        uint32_t v_frag[4];  // {b0, b1} of dim tile nd, then of nd+1
+        ldmatrix_x4_trans(v_frag, v_lane_addr + (kstep * 16 * kPitch + nd * 8) * sizeof(Element));
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+          mma_m16n8k16<Element>(acc_o[mi][nd], p_frag[mi][kstep], v_frag[0], v_frag[1]);
+          mma_m16n8k16<Element>(acc_o[mi][nd + 1], p_frag[mi][kstep], v_frag[2], v_frag[3]);
+        }
+      }
+    }
+  };
+
+  // A block needs the element-wise mask if it reaches past the keys or, for causal, past the
+  // diagonal of the block's first row. Visiting blocks last-to-first, those come first.
+  auto block_needs_mask = [&](int block) {
+    const int block_end = (block + 1) * kBlockN;
+    return block_end > params.seqlen_k || (params.causal && block_end - 1 > first_row + causal_offset);
+  };
+  using True = std::true_type;
+  using False = std::false_type;
+  if (block_needs_mask(key_block)) {
+    process_key_block(True{}, True{});
+  } else {
+    process_key_block(True{}, False{});
+  }
+  for (--key_block; key_block >= 0 && block_needs_mask(key_block); --key_block) process_key_block(False{}, True{});
+  for (; key_block >= 0; --key_block) process_key_block(False{}, False{});
+
+  float row_lse[2 * kMTiles];
+  softmax.finalize(acc_o, params.softmax_scale, row_lse);
+
+  // Epilogue: the warp writes its rows of O (16-bit) into its own rows of the Q tile (no other
+  // warp reads them), then the CTA copies the tile out in 16-byte rows.
+  Element* smem_o = smem_q;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_first_row + mi * 16 + lane / 4 + 8 * half;
+#pragma unroll
+      for (int nd = 0; nd < kNTilesO; ++nd) {
+        *reinterpret_cast<uint32_t*>(smem_o + row * kPitch + nd * 8 + 2 * (lane % 4)) =
+            pack_float2<Element>(acc_o[mi][nd][2 * half], acc_o[mi][nd][2 * half + 1]);
+      }
+      if (lane % 4 == 0 && row < valid_rows) lse[row] = row_lse[2 * mi + half];
+    }
+  }
+  __syncthreads();
+  for (int chunk_id = threadIdx.x; chunk_id < kBlockM * kChunksPerRow; chunk_id += Config::kThreads) {
+    const int row = chunk_id / kChunksPerRow;
+    const int col = chunk_id % kChunksPerRow * (16 / sizeof(Element));
+    if (row < valid_rows) {
+      *reinterpret_cast<uint4*>(out + row * params.out_strides.row + col) =
+          *reinterpret_cast<const uint4*>(smem_o + row * kPitch + col);
+    }
+  }
+}
+
+}  // namespace flash_ext::sm80

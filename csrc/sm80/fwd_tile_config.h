@@ -1,0 +1,44 @@
+// Tile sizes of the sm80 forward kernel: the geometry type, and the one place a geometry is
+// chosen per head dim (FwdTileFor).
+#pragma once
+
+namespace flash_ext::sm80 {
+
+// kBlockM query rows per CTA, kBlockN keys per inner-loop step, kWarps warps; each warp owns
+// kBlockM / kWarps consecutive query rows (a multiple of 16, the mma row count).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+struct FwdTile {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRowsPerWarp = kBlockM / kWarps;
+  static constexpr int kMTiles = kRowsPerWarp / 16;
+
+  // Shared-memory rows are padded by 16 bytes: the 8 row addresses of one ldmatrix then fall
+  // in 8 different bank groups (the row pitch is an odd number of 16-byte units), which
+  // makes every ldmatrix and cp.async conflict-free without a swizzle.
+  static constexpr int kSmemRowPitch = kHeadDim + 8;  // elements
+  static constexpr int kSmemElements = (kBlockM + 2 * kBlockN) * kSmemRowPitch;  // Q, K, V tiles
+
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dims are multiples of 32 up to 256");
+  static_assert(kBlockM % (16 * kWarps) == 0, "a warp owns whole 16-row mma blocks");
+  static_assert(kBlockN % 16 == 0, "kBlockN is a multiple of the mma k extent");
+};
+
+// The geometry shipped for each head dim.
+//
+// Reasoning (measurements: benchmarks/NOTES.md, benchmarks/tune_fwd_tiles.cu):
+// - A warp owning 32 rows reads each K/V fragment from shared memory once for two mma row
+//   blocks; with 16 rows a warp reads ~256 bytes of shared memory per mma, above what shared
+//   memory feeds at the mma.sync rate (128 B/clk/SM), with 32 rows ~160.
+// - Registers: per thread, the O accumulator is rows_per_warp * head_dim / 32 floats and the
+//   score tile rows_per_warp * kBlockN / 32. ptxas (CUDA 13.0, sm_90a) fits 32 rows x
+//   (hd64, N64) in 177 registers but spills at (hd128, N64); (hd128, N32) fits in 246.
+template <int kHeadDim>
+struct FwdTileFor {
+  using type = FwdTile<kHeadDim, 128, (kHeadDim == 96 || kHeadDim == 128 ? 32 : 64), (kHeadDim <= 128 ? 4 : 8)>;
+};
+
+}  // namespace flash_ext::sm80

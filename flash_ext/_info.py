@@ -1,0 +1,49 @@
+"""flash_ext.info() and kernel_path(): what was built, what device is here, which path a call takes."""
+import torch
+
+SUPPORTED_CUDA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def _build():
+    kind, _, archs = torch.ops.flash_ext.build_info().partition(";")
+    return kind, [a for a in archs.split(";") if a]
+
+
+def kernel_path(q, k=None, v=None, *, causal=False):
+    """Describe the implementation flash_ext.attention would run for these inputs."""
+    head_dim = q.shape[-1]
+    if q.device.type == "cpu":
+        return f"cpu: tiled online-softmax implementation (head_dim {head_dim}, {q.dtype})"
+    if q.device.type != "cuda":
+        return f"unsupported device {q.device}"
+    kind, _ = _build()
+    if kind != "cuda":
+        return "none: this flash_ext build has no CUDA kernels (rebuild with nvcc available)"
+    padded = next((d for d in SUPPORTED_CUDA_HEAD_DIMS if d >= head_dim), None)
+    if padded is None:
+        return f"none: head_dim {head_dim} > 256 is not supported"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    pad = f", head_dim padded {head_dim}->{padded}" if padded != head_dim else ""
+    return (
+        f"cuda sm80 mma.sync forward (head_dim {padded}{pad}, {q.dtype}, causal={causal}) on sm_{major}{minor}; "
+        "backward: not built yet for CUDA"
+    )
+
+
+def info():
+    """Version, build (CPU/CUDA, archs), torch and the visible device, as a dict."""
+    from . import __version__
+
+    kind, archs = _build()
+    result = {
+        "version": __version__,
+        "build": kind,
+        "cuda_archs": archs,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "device": "cpu",
+    }
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        result["device"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return result
