@@ -60,18 +60,22 @@ def with_cuda():
 
 
 def make_extension():
-    cxx_flags = ["-O3", "-std=c++17"]
+    # No -std: torch's cpp_extension adds the standard its headers need (C++17 or C++20).
+    # -fopenmp: at::parallel_for (the CPU path) runs on one thread without it.
+    cxx_flags = ["-O3", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     sources = ["csrc/flash_api.cpp", "csrc/cpu/attention_cpu.cpp"]
     if not with_cuda():
         print("flash_ext: building the CPU path only (no CUDA torch or no nvcc found)")
-        return CppExtension("flash_ext._C", sources, extra_compile_args={"cxx": cxx_flags})
+        return CppExtension(
+            "flash_ext._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags
+        )
 
     archs = cuda_archs()
     print(f"flash_ext: building CUDA kernels for {';'.join(archs)} with nvcc from {CUDA_HOME}")
     sources += sorted(glob.glob("csrc/instantiations/*.cu"))
     nvcc_flags = [
         "-O3",
-        "-std=c++17",
         "--use_fast_math",
         "--expt-relaxed-constexpr",
         "-DFLASH_EXT_WITH_CUDA",
@@ -89,6 +93,7 @@ def make_extension():
         "flash_ext._C",
         sources,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_link_args=link_flags,
     )
 
 

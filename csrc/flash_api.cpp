@@ -11,8 +11,11 @@
 #include "params.h"
 
 #ifdef FLASH_EXT_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+// c10/cuda only: ATen/cuda/CUDAContext.h would pull in cuSPARSE/cuBLAS headers that a plain
+// CUDA toolkit install may lack.
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include "sm80/fwd_dispatch.h"
 #endif
@@ -188,9 +191,11 @@ at::Tensor pad_head_dim(const at::Tensor& t, int64_t head_dim_padded) {
 }
 
 void check_sm80(const at::Tensor& q) {
-  const auto* props = at::cuda::getDeviceProperties(q.device().index());
-  TORCH_CHECK(props->major >= 8, "flash_ext: the CUDA kernels need compute capability 8.0 or newer (Ampere+); ",
-              props->name, " is ", props->major, ".", props->minor);
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.device().index()));
+  TORCH_CHECK(major >= 8, "flash_ext: the CUDA kernels need compute capability 8.0 or newer (Ampere+); device ",
+              q.device(), " is ", major, ".", minor);
 }
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -220,7 +225,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   }
 
   FwdParams p = make_fwd_params(q, k, v, out_padded, lse, softmax_scale, causal);
-  sm80::run_attention_fwd_dispatch(p, at::cuda::getCurrentCUDAStream().stream());
+  sm80::run_attention_fwd_dispatch(p, c10::cuda::getCurrentCUDAStream().stream());
   return result();
 }
 

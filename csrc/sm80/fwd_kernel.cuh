@@ -90,13 +90,25 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
 
   const Element* q = static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
                      head * params.q_strides.head + first_row * params.q_strides.row;
-  const Element* k = static_cast<const Element*>(params.k) + batch * params.k_strides.batch +
-                     kv_head * params.k_strides.head;
-  const Element* v = static_cast<const Element*>(params.v) + batch * params.v_strides.batch +
-                     kv_head * params.v_strides.head;
-  Element* out = static_cast<Element*>(params.out) + batch * params.out_strides.batch +
-                 head * params.out_strides.head + first_row * params.out_strides.row;
-  float* lse = params.lse + (static_cast<int64_t>(batch) * params.heads_q + head) * params.seqlen_q + first_row;
+  // K/V tile pointers are recomputed per tile from params (constant memory) rather than kept
+  // in registers across the loop.
+  auto k_tile = [&](int block) {
+    return static_cast<const Element*>(params.k) + batch * params.k_strides.batch + kv_head * params.k_strides.head +
+           block * kBlockN * params.k_strides.row;
+  };
+  auto v_tile = [&](int block) {
+    return static_cast<const Element*>(params.v) + batch * params.v_strides.batch + kv_head * params.v_strides.head +
+           block * kBlockN * params.v_strides.row;
+  };
+  // Output pointers are formed where they are used: kept live across the main loop they cost
+  // registers that hd128 does not have.
+  auto out_block = [&] {
+    return static_cast<Element*>(params.out) + batch * params.out_strides.batch + head * params.out_strides.head +
+           first_row * params.out_strides.row;
+  };
+  auto lse_block = [&] {
+    return params.lse + (static_cast<int64_t>(batch) * params.heads_q + head) * params.seqlen_q + first_row;
+  };
 
   // Keys this block can see: all of them, or for causal up to the last row's diagonal.
   int key_end = params.seqlen_k;
@@ -104,6 +116,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
   const int num_key_blocks = key_end > 0 ? (key_end + kBlockN - 1) / kBlockN : 0;
 
   if (num_key_blocks == 0) {  // every row of the block sees no key: output 0, lse -inf
+    Element* out = out_block();
+    float* lse = lse_block();
     for (int i = threadIdx.x; i < valid_rows * kChunksPerRow; i += Config::kThreads) {
       const int row = i / kChunksPerRow, col = i % kChunksPerRow * (16 / sizeof(Element));
       *reinterpret_cast<uint4*>(out + row * params.out_strides.row + col) = make_uint4(0, 0, 0, 0);
@@ -118,7 +132,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
 
   load_tile_async<Config, kBlockM>(smem_q, q, params.q_strides.row, valid_rows);
   int key_block = num_key_blocks - 1;
-  load_tile_async<Config, kBlockN>(smem_k, k + key_block * kBlockN * params.k_strides.row, params.k_strides.row,
+  load_tile_async<Config, kBlockN>(smem_k, k_tile(key_block), params.k_strides.row,
                                    params.seqlen_k - key_block * kBlockN);
   cp_async_commit();
 
@@ -137,7 +151,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
     // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
     cp_async_wait<0>();
     __syncthreads();
-    load_tile_async<Config, kBlockN>(smem_v, v + key_block * kBlockN * params.v_strides.row, params.v_strides.row,
+    load_tile_async<Config, kBlockN>(smem_v, v_tile(key_block), params.v_strides.row,
                                      params.seqlen_k - key_block * kBlockN);
     cp_async_commit();
 
@@ -186,7 +200,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
     cp_async_wait<0>();
     __syncthreads();
     if (key_block > 0) {
-      load_tile_async<Config, kBlockN>(smem_k, k + (key_block - 1) * kBlockN * params.k_strides.row,
+      load_tile_async<Config, kBlockN>(smem_k, k_tile(key_block - 1),
                                        params.k_strides.row, params.seqlen_k - (key_block - 1) * kBlockN);
     }
     cp_async_commit();
@@ -229,6 +243,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
   // Epilogue: the warp writes its rows of O (16-bit) into its own rows of the Q tile (no other
   // warp reads them), then the CTA copies the tile out in 16-byte rows.
   Element* smem_o = smem_q;
+  Element* out = out_block();
+  float* lse = lse_block();
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll

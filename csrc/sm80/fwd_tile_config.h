@@ -38,7 +38,7 @@ struct FwdTile {
 //   (hd64, N64) in 177 registers but spills at (hd128, N64); (hd128, N32) fits in 246.
 template <int kHeadDim>
 struct FwdTileFor {
-  using type = FwdTile<kHeadDim, 128, (kHeadDim == 96 || kHeadDim == 128 ? 32 : 64), (kHeadDim <= 128 ? 4 : 8)>;
+  using type = FwdTile<kHeadDim, 128, 64, (kHeadDim <= 128 ? 4 : 8)>;
 };
 
 }  // namespace flash_ext::sm80
