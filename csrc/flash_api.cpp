@@ -95,7 +95,8 @@ at::Tensor usable_layout(const at::Tensor& t) {
   }
   // A last dim of size 1 may carry any stride; normalise so kernels can assume stride 1.
   if (ok && t.stride(-1) != 1) ok = false;
-  return ok ? t : t.contiguous();
+  // clone, not contiguous(): a contiguous view at a misaligned offset must be copied too.
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
