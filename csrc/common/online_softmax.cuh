@@ -9,7 +9,7 @@
 // scale enters once through exp2(s * scale_log2 - max * scale_log2), one FFMA and one EX2
 // per element (scale_log2 = softmax_scale * log2(e) is computed on the host). A row whose
 // max is still -inf (all its keys masked so far) uses 0 as its base so that exp2 gives 0
-// rather than NaN from (-inf) - (-inf).
+// rather than NaN from (-inf) - (-inf). The "max" is a lagging one (see update()).
 #pragma once
 
 #include <cmath>
@@ -26,10 +26,25 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// Reduces the 2 * kNTiles values of one accumulator row half (registers 2*half, 2*half+1 of
+// each n-tile) as a balanced tree: a serial chain would make each step wait on the last.
+template <int kNTiles, typename Op>
+__device__ __forceinline__ float tree_reduce(const float (&tiles)[kNTiles][4], int half, Op op) {
+  float partial[kNTiles];
+#pragma unroll
+  for (int nj = 0; nj < kNTiles; ++nj) partial[nj] = op(tiles[nj][2 * half], tiles[nj][2 * half + 1]);
+#pragma unroll
+  for (int stride = 1; stride < kNTiles; stride *= 2) {
+#pragma unroll
+    for (int nj = 0; nj + stride < kNTiles; nj += 2 * stride) partial[nj] = op(partial[nj], partial[nj + stride]);
+  }
+  return partial[0];
+}
+
 template <int kMTiles>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;  // rows this thread holds: (m-tile, upper/lower half)
-  float row_max[kRows];                      // running max of the raw scores
+  float row_max[kRows];                      // exponent base: within threshold of the running max of raw scores
   float row_sum[kRows];                      // this thread's part of the running sum of exp (quad-reduced at the end)
 
   __device__ __forceinline__ OnlineSoftmax() {
@@ -41,44 +56,67 @@ struct OnlineSoftmax {
   }
 
   // Folds one block of scores into the running state: turns acc_s into unnormalised
-  // probabilities exp2(s*scale_log2 - new_max*scale_log2) and rescales acc_o (and the sums)
-  // by exp2((old_max - new_max)*scale_log2). kIsFirst skips the rescale (acc_o is zero).
+  // probabilities exp2(s*scale_log2 - row_max*scale_log2).
+  //
+  // Lazy rescaling: the running max (the exponent base) is only raised when a row's new max
+  // exceeds it by more than kRescaleThresholdLog2 (in log2 units); until then probabilities may
+  // reach 2^kRescaleThresholdLog2, harmless in fp32 and in 16-bit P (relative precision does
+  // not depend on magnitude). The base only has to be the same for a row's O and sum, not the
+  // true max, so the result is unchanged; but most blocks then skip the O rescale (a multiply
+  // per accumulator register) because no row of the warp needs it.
+  static constexpr float kRescaleThresholdLog2 = 8.f;
+
   template <bool kIsFirst, int kNTilesS, int kNTilesO>
   __device__ __forceinline__ void update(float (&acc_s)[kMTiles][kNTilesS][4], float (&acc_o)[kMTiles][kNTilesO][4],
                                          float scale_log2) {
+    float block_max[kRows];
+    bool raise_max[kRows];
+    bool any_raise = false;
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 2 * mi + half;
-        float block_max = row_max[r];
+        block_max[r] = quad_max(tree_reduce<kNTilesS>(acc_s[mi], half, [](float a, float b) { return fmaxf(a, b); }));
+        // NaN when both are -inf (row still empty): compares false, the row keeps base 0.
+        raise_max[r] = (block_max[r] - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
+        any_raise |= raise_max[r];
+      }
+    }
+    if (kIsFirst || __any_sync(0xffffffff, any_raise)) {
 #pragma unroll
-        for (int nj = 0; nj < kNTilesS; ++nj) {
-          block_max = fmaxf(block_max, fmaxf(acc_s[mi][nj][2 * half], acc_s[mi][nj][2 * half + 1]));
-        }
-        const float new_max = quad_max(block_max);
-        const float base = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-        if (!kIsFirst) {
-          const float rescale = exp2f(row_max[r] * scale_log2 - base);
-          row_sum[r] *= rescale;
+      for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
-          for (int nd = 0; nd < kNTilesO; ++nd) {
-            acc_o[mi][nd][2 * half] *= rescale;
-            acc_o[mi][nd][2 * half + 1] *= rescale;
+        for (int half = 0; half < 2; ++half) {
+          const int r = 2 * mi + half;
+          if (!raise_max[r]) continue;
+          if (!kIsFirst) {  // acc_o and row_sum are still zero on the first block
+            const float rescale = exp2f((row_max[r] - block_max[r]) * scale_log2);  // 0 if row_max was -inf
+            row_sum[r] *= rescale;
+#pragma unroll
+            for (int nd = 0; nd < kNTilesO; ++nd) {
+              acc_o[mi][nd][2 * half] *= rescale;
+              acc_o[mi][nd][2 * half + 1] *= rescale;
+            }
           }
+          row_max[r] = block_max[r];
         }
-        row_max[r] = new_max;
-        float sum = 0.f;
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mi + half;
+        const float base = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
 #pragma unroll
         for (int nj = 0; nj < kNTilesS; ++nj) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float prob = exp2f(fmaf(acc_s[mi][nj][2 * half + e], scale_log2, -base));
-            acc_s[mi][nj][2 * half + e] = prob;
-            sum += prob;
+            acc_s[mi][nj][2 * half + e] = exp2f(fmaf(acc_s[mi][nj][2 * half + e], scale_log2, -base));
           }
         }
-        row_sum[r] += sum;
+        row_sum[r] += tree_reduce<kNTilesS>(acc_s[mi], half, [](float a, float b) { return a + b; });
       }
     }
   }
