@@ -1,0 +1,40 @@
+"""Random q, k, v in the (batch, seqlen, heads, head_dim) layout, in several memory layouts.
+
+Values are always fresh randn draws (never zeros): a kernel that ignores an input cannot pass.
+"""
+import torch
+
+# contiguous        plain row-major tensor
+# transposed        a (batch, heads, seqlen, head_dim) tensor viewed as (batch, seqlen, heads, head_dim)
+# last_dim_strided  every other element of a larger tensor: the last dim has stride 2
+# offset_by_3       a contiguous view that starts 3 elements into its storage (misaligned on CUDA)
+# offset_by_8       a contiguous view that starts 8 elements into its storage (16-byte aligned for 16-bit dtypes)
+LAYOUTS = ("contiguous", "transposed", "last_dim_strided", "offset_by_3", "offset_by_8")
+
+
+def make_tensor(batch, seqlen, heads, head_dim, dtype, device="cpu", layout="contiguous"):
+    shape = (batch, seqlen, heads, head_dim)
+    options = dict(dtype=dtype, device=device)
+    if layout == "contiguous":
+        return torch.randn(shape, **options)
+    if layout == "transposed":
+        return torch.randn(batch, heads, seqlen, head_dim, **options).transpose(1, 2)
+    if layout == "last_dim_strided":
+        t = torch.randn(*shape, 2, **options)[..., 0]
+        assert t.stride(-1) == 2
+        return t
+    if layout.startswith("offset_by_"):
+        offset = int(layout.removeprefix("offset_by_"))
+        numel = batch * seqlen * heads * head_dim
+        t = torch.randn(offset + numel, **options)[offset:].view(shape)
+        assert t.storage_offset() == offset
+        return t
+    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, device="cpu", layout="contiguous"):
+    """q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim)."""
+    q = make_tensor(batch, seqlen_q, heads_q, head_dim, dtype, device, layout)
+    k = make_tensor(batch, seqlen_k, heads_kv, head_dim, dtype, device, layout)
+    v = make_tensor(batch, seqlen_k, heads_kv, head_dim, dtype, device, layout)
+    return q, k, v
