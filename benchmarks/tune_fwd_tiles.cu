@@ -107,8 +107,8 @@ int main() {
   report<64, 128, 64, 4>(problems, q, k, v, out, lse);
   report<64, 128, 128, 4>(problems, q, k, v, out, lse);
   report<128, 128, 64, 4>(problems, q, k, v, out, lse);
-  report<128, 128, 128, 8>(problems, q, k, v, out, lse);
   report<256, 128, 64, 8>(problems, q, k, v, out, lse);
   report<256, 64, 64, 4>(problems, q, k, v, out, lse);
+  report<256, 128, 32, 8>(problems, q, k, v, out, lse);
   return 0;
 }
