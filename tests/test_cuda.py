@@ -208,3 +208,39 @@ def test_matches_cpu_path():
     for name, result in (("out_cuda", out_cuda), ("out_cpu", out_cpu)):
         assert_within_tolerance(name, result.cpu(), out_lowp, out64, FWD_FACTOR)
     assert_within_tolerance("lse_cuda", lse_cuda.cpu(), lse_lowp, lse64, FWD_FACTOR)
+
+
+def test_offsets_beyond_int32():
+    """k and v of more than 2^31 elements: the second batch entry starts past 2^31, so any 32-bit
+    offset arithmetic would read the wrong keys. Its output must equal, bit for bit, the same
+    problem given as small tensors (whose correctness the other tests establish)."""
+    heads, head_dim = 16, 128
+    seqlen_k = 2**31 // (heads * head_dim) + 64  # one batch entry alone is past 2^31 elements
+    q = torch.randn(2, 16, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, seqlen_k, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    assert k.numel() > 2**31
+    out = flash_ext.attention(q, k, v)
+    out_small = flash_ext.attention(q[1:].clone(), k[1:].clone(), v[1:].clone())
+    assert torch.equal(out[1:], out_small), "the batch entry past 2^31 elements differs from the same problem alone"
+    del k, v
+
+
+def test_cuda_graph_capture():
+    """No host synchronisation in the forward: it can be captured in a CUDA graph and replayed."""
+    q, k, v = make_qkv(2, 200, 300, 4, 2, 59, torch.float16, device="cuda")
+    expected = flash_ext.attention(q, k, v, causal=True)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_ext.attention(q, k, v, causal=True)  # warm-up on the side stream, as capture requires
+        with torch.cuda.graph(graph, stream=stream):
+            captured = flash_ext.attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    for source in (q, k, v):
+        source.copy_(torch.randn_like(source))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, flash_ext.attention(q, k, v, causal=True)), "graph replay differs from eager"
+    assert not torch.equal(captured, expected), "replay did not see the new inputs"

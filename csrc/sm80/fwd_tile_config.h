@@ -2,6 +2,8 @@
 // chosen per head dim (FwdTileFor).
 #pragma once
 
+#include <type_traits>
+
 namespace flash_ext::sm80 {
 
 // kBlockM query rows per CTA, kBlockN keys per inner-loop step, kWarps warps; each warp owns
@@ -29,16 +31,23 @@ struct FwdTile {
 
 // The geometry shipped for each head dim.
 //
-// Reasoning (measurements: benchmarks/NOTES.md, benchmarks/tune_fwd_tiles.cu):
+// Reasoning:
 // - A warp owning 32 rows reads each K/V fragment from shared memory once for two mma row
 //   blocks; with 16 rows a warp reads ~256 bytes of shared memory per mma, above what shared
-//   memory feeds at the mma.sync rate (128 B/clk/SM), with 32 rows ~160.
+//   memory feeds at the mma.sync rate (128 B/clk/SM); with 32 rows ~160.
 // - Registers: per thread, the O accumulator is rows_per_warp * head_dim / 32 floats and the
-//   score tile rows_per_warp * kBlockN / 32. ptxas (CUDA 13.0, sm_90a) fits 32 rows x
-//   (hd64, N64) in 177 registers but spills at (hd128, N64); (hd128, N32) fits in 246.
+//   score tile rows_per_warp * kBlockN / 32. 32-row warps fit up to head_dim 128 with
+//   kBlockN = 64 (ptxas, CUDA 13.0, sm_90a: 255 registers at hd128, no spills); above that
+//   warps own 16 rows.
+// Measured (benchmarks/tune_fwd_tiles.cu, H200, bf16, 16k tokens, hidden 2048, 2026-11-30;
+// TFLOP/s at seqlen 2k / 8k, non-causal):
+//   hd64:  M128 N64 W4 300 / 311    M128 N128 W4 301 / 314 (causal 2k: 269 vs 259)
+//   hd128: M128 N64 W4 355 / 363    M128 N32 W4 245 / 260   M128 N64 W8 211 / 221
+//   hd256: M64 N64 W4  273 / 279    M128 N64 W8 254 / 266   M128 N32 W8 230 / 237
+// hd 160-224 take hd256's geometry (not measured separately).
 template <int kHeadDim>
 struct FwdTileFor {
-  using type = FwdTile<kHeadDim, 128, 64, (kHeadDim <= 128 ? 4 : 8)>;
+  using type = std::conditional_t<(kHeadDim <= 128), FwdTile<kHeadDim, 128, 64, 4>, FwdTile<kHeadDim, 64, 64, 4>>;
 };
 
 }  // namespace flash_ext::sm80
