@@ -15,6 +15,7 @@
 
 #include "../common/online_softmax.cuh"
 #include "../common/ptx.cuh"
+#include "../common/warp_gemm.cuh"
 #include "../params.h"
 #include "fwd_tile_config.h"
 
@@ -154,13 +155,9 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
   float acc_o[kMTiles][kNTilesO][4] = {};
   OnlineSoftmax<kMTiles> softmax;
 
-  // ldmatrix row addresses for this lane (see ldmatrix_x4 in ptx.cuh for the lane -> matrix map).
-  // Q (A operand, 16x16 per x4): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15).
-  const uint32_t q_lane_addr = smem_address(smem_q + (warp_first_row + lane % 16) * kPitch + lane / 16 * 8);
-  // K (B operand of S = Q·Kᵀ, two n-tiles of 8 keys x 16 dims per x4): K rows are keys.
-  const uint32_t k_lane_addr = smem_address(smem_k + (lane % 8 + lane / 16 * 8) * kPitch + (lane / 8 % 2) * 8);
-  // V (B operand of O = P·V, 16 keys x two n-tiles of 8 dims per x4, transposed on load).
-  const uint32_t v_lane_addr = smem_address(smem_v + (lane % 8 + (lane / 8 % 2) * 8) * kPitch + lane / 16 * 8);
+  const uint32_t q_lane_addr = a_lane_address<kPitch>(smem_q + warp_first_row * kPitch);
+  const uint32_t k_lane_addr = b_rows_n_lane_address<kPitch>(smem_k);
+  const uint32_t v_lane_addr = b_rows_k_lane_address<kPitch>(smem_v);
 
   auto process_key_block = [&](auto is_first, auto needs_mask) {
     // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
@@ -170,26 +167,9 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
                                      params.seqlen_k - key_block * kBlockN);
     cp_async_commit();
 
-    // S = Q · Kᵀ for this warp's rows: kMTiles x kNTilesS accumulator tiles.
+    // S = Q · Kᵀ for this warp's rows.
     float acc_s[kMTiles][kNTilesS][4] = {};
-#pragma unroll
-    for (int kstep = 0; kstep < kHeadDim / 16; ++kstep) {
-      uint32_t q_frag[kMTiles][4];
-#pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi) {
-        ldmatrix_x4(q_frag[mi], q_lane_addr + (mi * 16 * kPitch + kstep * 16) * sizeof(Element));
-      }
-#pragma unroll
-      for (int nj = 0; nj < kNTilesS; nj += 2) {
-        uint32_t k_frag[4];  // {b0, b1} of n-tile nj, then of n-tile nj+1
-        ldmatrix_x4(k_frag, k_lane_addr + (nj * 8 * kPitch + kstep * 16) * sizeof(Element));
-#pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi) {
-          mma_m16n8k16<Element>(acc_s[mi][nj], q_frag[mi], k_frag[0], k_frag[1]);
-          mma_m16n8k16<Element>(acc_s[mi][nj + 1], q_frag[mi], k_frag[2], k_frag[3]);
-        }
-      }
-    }
+    gemm_smem_abt<Element, kMTiles, kNTilesS, kHeadDim / 16, kPitch, kPitch>(acc_s, q_lane_addr, k_lane_addr);
 
     if constexpr (decltype(needs_mask)::value) {
       mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, params.seqlen_k, params.causal,
@@ -197,19 +177,8 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
     }
     softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.scale_log2);
 
-    // P in 16 bits, laid out as mma A fragments: accumulator tiles (2j, 2j+1) of a row block
-    // are exactly the A fragment of k-step j (registers d0d1 -> a0/a2, d2d3 -> a1/a3).
-    uint32_t p_frag[kMTiles][kBlockN / 16][4];
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-      for (int kstep = 0; kstep < kBlockN / 16; ++kstep) {
-        p_frag[mi][kstep][0] = pack_float2<Element>(acc_s[mi][2 * kstep][0], acc_s[mi][2 * kstep][1]);
-        p_frag[mi][kstep][1] = pack_float2<Element>(acc_s[mi][2 * kstep][2], acc_s[mi][2 * kstep][3]);
-        p_frag[mi][kstep][2] = pack_float2<Element>(acc_s[mi][2 * kstep + 1][0], acc_s[mi][2 * kstep + 1][1]);
-        p_frag[mi][kstep][3] = pack_float2<Element>(acc_s[mi][2 * kstep + 1][2], acc_s[mi][2 * kstep + 1][3]);
-      }
-    }
+    uint32_t p_frag[kMTiles][kBlockN / 16][4];  // P in 16 bits, as A fragments of P · V
+    accumulator_to_a_fragments<Element>(acc_s, p_frag);
 
     // V[key_block] has landed; every warp is done reading K, so the next K may load.
     cp_async_wait<0>();
@@ -221,19 +190,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
     cp_async_commit();
 
     // O += P · V.
-#pragma unroll
-    for (int kstep = 0; kstep < kBlockN / 16; ++kstep) {
-#pragma unroll
-      for (int nd = 0; nd < kNTilesO; nd += 2) {
-        uint32_t v_frag[4];  // {b0, b1} of dim tile nd, then of nd+1
-        ldmatrix_x4_trans(v_frag, v_lane_addr + (kstep * 16 * kPitch + nd * 8) * sizeof(Element));
-#pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi) {
-          mma_m16n8k16<Element>(acc_o[mi][nd], p_frag[mi][kstep], v_frag[0], v_frag[1]);
-          mma_m16n8k16<Element>(acc_o[mi][nd + 1], p_frag[mi][kstep], v_frag[2], v_frag[3]);
-        }
-      }
-    }
+    gemm_rs_ab<Element, kMTiles, kNTilesO, kBlockN / 16, kPitch>(acc_o, p_frag, v_lane_addr);
   };
 
   // A block needs the element-wise mask if it reaches past the keys or, for causal, past the
