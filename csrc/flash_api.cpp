@@ -17,7 +17,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-#include "sm80/fwd_dispatch.h"
+#include "sm80/dispatch.h"
 #endif
 
 namespace flash_ext {
@@ -124,6 +124,39 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
   return p;
 }
 
+void check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& out, const at::Tensor& lse, double softmax_scale) {
+  check_qkv(q, k, v);
+  check_softmax_scale(softmax_scale);
+  TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type() && dout.device() == q.device(),
+              "flash_ext: dout must match q in shape, dtype and device, got ", dout.sizes(), " ", dout.scalar_type(),
+              " on ", dout.device());
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.device() == q.device(),
+              "flash_ext: out must match q in shape, dtype and device, got ", out.sizes(), " ", out.scalar_type(),
+              " on ", out.device());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.device() == q.device() &&
+                  lse.sizes() == at::IntArrayRef({q.size(0), q.size(2), q.size(1)}),
+              "flash_ext: lse must be float32 of shape (batch, heads_q, seqlen_q) on q's device, got ", lse.sizes(),
+              " ", lse.scalar_type(), " on ", lse.device());
+}
+
+BwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq, const at::Tensor& dk,
+                          const at::Tensor& dv, double softmax_scale, bool causal, bool deterministic) {
+  BwdParams p;
+  static_cast<FwdParams&>(p) = make_fwd_params(q, k, v, out, lse, softmax_scale, causal);
+  p.dout = dout.data_ptr();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dout_strides = strides_of(dout);
+  p.dq_strides = strides_of(dq);
+  p.dk_strides = strides_of(dk);
+  p.dv_strides = strides_of(dv);
+  p.deterministic = deterministic;
+  return p;
+}
+
 // ---------------------------------------------------------------------------------------
 // CPU
 
@@ -144,15 +177,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout_in
                                                        const at::Tensor& k_in, const at::Tensor& v_in,
                                                        const at::Tensor& out_in, const at::Tensor& lse,
                                                        double softmax_scale, bool causal, bool deterministic) {
-  check_qkv(q_in, k_in, v_in);
-  check_softmax_scale(softmax_scale);
-  TORCH_CHECK(dout_in.sizes() == q_in.sizes() && dout_in.scalar_type() == q_in.scalar_type(),
-              "flash_ext: dout must match q in shape and dtype, got ", dout_in.sizes(), " ", dout_in.scalar_type());
-  TORCH_CHECK(out_in.sizes() == q_in.sizes() && out_in.scalar_type() == q_in.scalar_type(),
-              "flash_ext: out must match q in shape and dtype, got ", out_in.sizes(), " ", out_in.scalar_type());
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.sizes() == at::IntArrayRef({q_in.size(0), q_in.size(2), q_in.size(1)}),
-              "flash_ext: lse must be float32 of shape (batch, heads_q, seqlen_q), got ", lse.sizes(), " ",
-              lse.scalar_type());
+  check_bwd_inputs(dout_in, q_in, k_in, v_in, out_in, lse, softmax_scale);
   const at::Tensor q = usable_layout(q_in), k = usable_layout(k_in), v = usable_layout(v_in);
   const at::Tensor dout = usable_layout(dout_in), out = usable_layout(out_in), lse_c = lse.contiguous();
   // Zeros, not empty: with seqlen_q == 0 (or seqlen_k == 0) the gradients are exactly zero.
@@ -160,20 +185,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout_in
   at::Tensor dk = at::zeros(k.sizes(), k.options());
   at::Tensor dv = at::zeros(v.sizes(), v.options());
   if (q.numel() == 0 || k.numel() == 0) return {dq, dk, dv};
-
-  BwdParams p;
-  static_cast<FwdParams&>(p) =
-      make_fwd_params(q, k, v, out, lse_c, softmax_scale, causal);
-  p.dout = dout.data_ptr();
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.dout_strides = strides_of(dout);
-  p.dq_strides = strides_of(dq);
-  p.dk_strides = strides_of(dk);
-  p.dv_strides = strides_of(dv);
-  p.deterministic = deterministic;  // the CPU path is always deterministic
-  cpu::attention_bwd(p);
+  // The CPU backward is always deterministic (two passes, no shared accumulators).
+  cpu::attention_bwd(make_bwd_params(dout, q, k, v, out, lse_c, dq, dk, dv, softmax_scale, causal, deterministic));
   return {dq, dk, dv};
 }
 
@@ -230,12 +243,44 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Te
   return result();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                        const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                        double, bool, bool) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false,
-                              "flash_ext: the CUDA backward kernel is not built yet (tracked as issue 4); "
-                              "run the backward on CPU tensors or use torch.nn.functional.scaled_dot_product_attention");
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                        const at::Tensor& k_in, const at::Tensor& v_in,
+                                                        const at::Tensor& out_in, const at::Tensor& lse,
+                                                        double softmax_scale, bool causal, bool deterministic) {
+  check_bwd_inputs(dout_in, q_in, k_in, v_in, out_in, lse, softmax_scale);
+  const c10::cuda::CUDAGuard device_guard(q_in.device());
+  check_sm80(q_in);
+
+  const int64_t head_dim = q_in.size(3);
+  const int64_t head_dim_padded = padded_head_dim(head_dim);
+  const at::Tensor q = usable_layout(pad_head_dim(q_in, head_dim_padded));
+  const at::Tensor k = usable_layout(pad_head_dim(k_in, head_dim_padded));
+  const at::Tensor v = usable_layout(pad_head_dim(v_in, head_dim_padded));
+  const at::Tensor out = usable_layout(pad_head_dim(out_in, head_dim_padded));
+  const at::Tensor dout = usable_layout(pad_head_dim(dout_in, head_dim_padded));
+  const at::Tensor lse_c = lse.contiguous();
+
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  auto result = [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
+    if (head_dim == head_dim_padded) return {dq, dk, dv};
+    return {dq.narrow(3, 0, head_dim).contiguous(), dk.narrow(3, 0, head_dim).contiguous(),
+            dv.narrow(3, 0, head_dim).contiguous()};
+  };
+  if (q.numel() == 0 || k.numel() == 0) {  // no query or no key: the gradients are exactly zero
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return result();
+  }
+  // D = rowsum(dout * out) per query row: the only scratch, O(seqlen).
+  at::Tensor softmax_d = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+
+  BwdParams p = make_bwd_params(dout, q, k, v, out, lse_c, dq, dk, dv, softmax_scale, causal, deterministic);
+  p.softmax_d = softmax_d.data_ptr<float>();
+  sm80::run_attention_bwd_dispatch(p, c10::cuda::getCurrentCUDAStream().stream());
+  return result();
 }
 
 #endif  // FLASH_EXT_WITH_CUDA

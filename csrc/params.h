@@ -64,8 +64,7 @@ struct BwdParams : FwdParams {
   void* dv = nullptr;
   TensorStrides dout_strides, dq_strides, dk_strides, dv_strides;
 
-  float* softmax_d = nullptr;  // D = rowsum(dout * out), (batch, heads_q, seqlen_q), fp32 scratch
-  float* dq_accum = nullptr;   // fp32 dq scratch for kernels that accumulate (may be null on CPU)
+  float* softmax_d = nullptr;  // D = rowsum(dout * out), (batch, heads_q, seqlen_q), fp32 scratch (CUDA)
   bool deterministic = false;
 };
 

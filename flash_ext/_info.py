@@ -25,8 +25,8 @@ def kernel_path(q, k=None, v=None, *, causal=False):
     major, minor = torch.cuda.get_device_capability(q.device)
     pad = f", head_dim padded {head_dim}->{padded}" if padded != head_dim else ""
     return (
-        f"cuda sm80 mma.sync forward (head_dim {padded}{pad}, {q.dtype}, causal={causal}) on sm_{major}{minor}; "
-        "backward: not built yet for CUDA"
+        f"cuda sm80 mma.sync forward and backward (head_dim {padded}{pad}, {q.dtype}, causal={causal}) "
+        f"on sm_{major}{minor}"
     )
 
 

@@ -10,7 +10,7 @@ namespace flash_ext::cpu {
 void attention_fwd(const FwdParams& p);
 
 // Writes p.dq, p.dk, p.dv (input dtype). Reads q, k, v, out, lse, dout.
-// Computes D = rowsum(dout * out) itself; p.softmax_d and p.dq_accum are not used.
+// Computes D = rowsum(dout * out) itself; p.softmax_d is not used.
 void attention_bwd(const BwdParams& p);
 
 }  // namespace flash_ext::cpu

@@ -1,0 +1,39 @@
+// Host-side helpers shared by the sm80 launch templates.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "launch.h"
+
+namespace flash_ext::sm80 {
+
+template <Elem16 kElem>
+using ElementOf = std::conditional_t<kElem == Elem16::kBFloat16, __nv_bfloat16, __half>;
+
+inline void throw_on_cuda_error(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("flash_ext: ") + what + ": " + cudaGetErrorString(status));
+  }
+}
+
+// Above 48 KB a kernel must opt in to its dynamic shared memory (cheap; per launch is fine).
+template <typename Kernel>
+void set_smem_limit(Kernel kernel, size_t bytes, const char* name) {
+  throw_on_cuda_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                      (std::string("setting the shared memory size of ") + name).c_str());
+}
+
+inline void check_grid_limits(const FwdParams& params, const char* what) {
+  if (params.heads_q > 65535 || params.batch > 65535) {
+    throw std::invalid_argument(std::string("flash_ext: the CUDA ") + what +
+                                " supports at most 65535 heads and 65535 batch entries");
+  }
+}
+
+}  // namespace flash_ext::sm80
