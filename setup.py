@@ -66,7 +66,8 @@ def make_extension():
     link_flags = ["-fopenmp"]
     sources = ["csrc/flash_api.cpp", "csrc/cpu/attention_cpu.cpp"]
     if not with_cuda():
-        print("flash_ext: building the CPU path only (no CUDA torch or no nvcc found)")
+        reason = "FLASH_EXT_FORCE_CPU=1" if os.environ.get("FLASH_EXT_FORCE_CPU") == "1" else "no CUDA torch or no nvcc found"
+        print(f"flash_ext: building the CPU path only ({reason})")
         return CppExtension(
             "flash_ext._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags
         )
