@@ -80,10 +80,10 @@ def valid_bwd_args(dtype=torch.float32):
 
 
 BAD_BWD_INPUTS = [
-    ("dout-shape", "dout", lambda a: a["dout"][:, :4], "dout must match q in shape and dtype"),
-    ("dout-dtype", "dout", lambda a: a["dout"].half(), "dout must match q in shape and dtype"),
-    ("out-shape", "out", lambda a: a["out"][:, :, :2], "out must match q in shape and dtype"),
-    ("out-dtype", "out", lambda a: a["out"].bfloat16(), "out must match q in shape and dtype"),
+    ("dout-shape", "dout", lambda a: a["dout"][:, :4], "dout must match q in shape, dtype and device"),
+    ("dout-dtype", "dout", lambda a: a["dout"].half(), "dout must match q in shape, dtype and device"),
+    ("out-shape", "out", lambda a: a["out"][:, :, :2], "out must match q in shape, dtype and device"),
+    ("out-dtype", "out", lambda a: a["out"].bfloat16(), "out must match q in shape, dtype and device"),
     ("lse-shape", "lse", lambda a: a["lse"].transpose(1, 2), "lse must be float32 of shape (batch, heads_q, seqlen_q)"),
     ("lse-dtype", "lse", lambda a: a["lse"].double(), "lse must be float32 of shape (batch, heads_q, seqlen_q)"),
     ("k-shape", "k", lambda a: a["k"][:, :, :1], "k and v must have the same shape"),
