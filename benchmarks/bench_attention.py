@@ -34,7 +34,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 OPS = ("fwd", "bwd", "fwd_bwd")
-IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_ext_deterministic")
+# flash_ext_deterministic (deterministic=True: no atomic dQ) is measured only when asked for.
+DEFAULT_IMPLS = IMPLS[:4]
 SDPA_BACKEND_NAMES = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 ROW_KEY_FIELDS = ("op", "impl", "case", "dtype", "head_dim", "causal", "seqlen_q", "seqlen_k")
@@ -80,7 +82,7 @@ def build_parser():
                    help="comma list, 'k' = 1024 (default 512,1k,2k,4k,8k,16k)")
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
     p.add_argument("--ops", type=parse_choice_list(OPS), default=list(OPS), help="comma list of fwd,bwd,fwd_bwd")
-    p.add_argument("--impls", type=parse_choice_list(IMPLS), default=list(IMPLS), help="comma list of " + ",".join(IMPLS))
+    p.add_argument("--impls", type=parse_choice_list(IMPLS), default=list(DEFAULT_IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--quick", action="store_true", help="head_dim 128, seqlens 2k,8k (explicit --head-dims/--seqlens win)")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen (default 16384)")
     p.add_argument("--hidden", type=int, default=2048, help="heads * head_dim (default 2048)")
@@ -427,18 +429,19 @@ class Bench:
             print(f"flash_ext: {flash_ext.__file__}; {flash_ext.info()}")
         except Exception as e:  # noqa: BLE001
             print(f"note: cannot import flash_ext ({first_line(e)}); timing SDPA only")
-            self.args.impls = [i for i in self.args.impls if i != "flash_ext"]
+            self.args.impls = [i for i in self.args.impls if not i.startswith("flash_ext")]
 
     def attn_fn(self, impl, causal):
         """f(q, k, v) -> out, in the impl's own layout (flash_ext: b s h d; SDPA: b h s d)."""
-        if impl == "flash_ext":
+        if impl.startswith("flash_ext"):
             attention = self.flash_ext.attention
-            return lambda q, k, v: attention(q, k, v, causal=causal)
+            deterministic = impl == "flash_ext_deterministic"
+            return lambda q, k, v: attention(q, k, v, causal=causal, deterministic=deterministic)
         F = self.F
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     def backend_ctx(self, impl):
-        if impl == "flash_ext":
+        if impl.startswith("flash_ext"):
             import contextlib
 
             return contextlib.nullcontext()
@@ -549,7 +552,7 @@ class Bench:
                 check_ref = self.attn_fn("sdpa_default", causal)(*sdpa_inputs).transpose(1, 2)
 
         for impl in args.impls:
-            is_ext = impl == "flash_ext"
+            is_ext = impl.startswith("flash_ext")
             fn = self.attn_fn(impl, causal)
             ins, d = ((q, k, v), dout) if is_ext else (sdpa_inputs, sdpa_dout)
             if is_ext and check_ref is not None and ("flash_ext", "fwd", head_dim, causal) not in self.disabled:
@@ -651,7 +654,7 @@ def main(argv=None):
           f"warmup {args.warmup_ms} ms, rep {args.rep_ms} ms, median")
     outputs = Outputs(args, meta)
     bench = Bench(args, torch)
-    if "flash_ext" in args.impls:
+    if any(i.startswith("flash_ext") for i in args.impls):
         bench.import_flash_ext()
 
     rows = []

@@ -274,11 +274,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_i
     dv.zero_();
     return result();
   }
-  // D = rowsum(dout * out) per query row: the only scratch, O(seqlen).
+  // Scratch, O(seqlen): D = rowsum(dout * out) per query row (fp32), and unless deterministic
+  // the fp32 dQ accumulator that the dK/dV kernel adds into with atomics (zeroed here).
   at::Tensor softmax_d = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  at::Tensor dq_accum;
+  if (!deterministic) dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
 
   BwdParams p = make_bwd_params(dout, q, k, v, out, lse_c, dq, dk, dv, softmax_scale, causal, deterministic);
   p.softmax_d = softmax_d.data_ptr<float>();
+  if (!deterministic) p.dq_accum = dq_accum.data_ptr<float>();
   sm80::run_attention_bwd_dispatch(p, c10::cuda::getCurrentCUDAStream().stream());
   return result();
 }

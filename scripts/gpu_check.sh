@@ -3,7 +3,7 @@
 # tests, benchmark against PyTorch SDPA, and leave everything in $OUT.
 #
 #   bash scripts/gpu_check.sh [--quick|--full] [--bench-anyway] [--skip-build] [--skip-tests]
-#                             [--no-bench] [-- EXTRA BENCH ARGS]
+#                             [--no-bench] [--sanitize] [-- EXTRA BENCH ARGS]
 #
 #   --full          (default) full benchmark sweep (hd 64/128/256 x causal x seqlen 512..16k)
 #   --quick         benchmark hd128, seqlen 2k and 8k only
@@ -11,6 +11,8 @@
 #   --skip-build    use the flash_ext/_C*.so already built in place (a warm machine)
 #   --skip-tests    do not run pytest
 #   --no-bench      build and test only
+#   --sanitize      after the tests, run scripts/sanitize.py under compute-sanitizer memcheck and
+#                   racecheck (sanitize.log; a finding counts as a test failure)
 #   -- ARGS         passed on to benchmarks/bench_attention.py (e.g. -- --ops fwd --head-dims 64)
 #
 # Environment: OUT (default /tmp/flash_ext_out), PYTHON (python3), MAX_JOBS (16),
@@ -36,6 +38,7 @@ BENCH_ANYWAY=0
 SKIP_BUILD=0
 SKIP_TESTS=0
 NO_BENCH=0
+SANITIZE=0
 BENCH_EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -45,6 +48,7 @@ while [ $# -gt 0 ]; do
     --skip-build) SKIP_BUILD=1 ;;
     --skip-tests) SKIP_TESTS=1 ;;
     --no-bench) NO_BENCH=1 ;;
+    --sanitize) SANITIZE=1 ;;
     --) shift; BENCH_EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (try --help)" >&2; exit 64 ;;
@@ -192,6 +196,24 @@ EOF
     echo "pytest: $test_status"
   fi
 
+  # ---------------------------------------------------------------- compute-sanitizer
+  local sanitize_status="skipped"
+  if [ "$SANITIZE" = 1 ] && [ "$build_rc" = 0 ]; then
+    section "compute-sanitizer (scripts/sanitize.py)"
+    sanitize_status=""
+    local tool tool_rc
+    for tool in memcheck racecheck; do
+      set +e
+      timeout -k 10 "$(min 120 $(($(remaining) - 60)))" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        "$PY" scripts/sanitize.py >>"$OUT/sanitize.log" 2>&1
+      tool_rc=$?
+      set -e
+      tail -n 3 "$OUT/sanitize.log"
+      if [ "$tool_rc" = 0 ]; then sanitize_status+="$tool clean; "; else sanitize_status+="$tool FAILED (rc $tool_rc); "; test_rc=2; fi
+    done
+    echo "sanitize: $sanitize_status"
+  fi
+
   # ---------------------------------------------------------------- benchmark
   if [ "$NO_BENCH" = 1 ]; then
     bench_status="skipped (--no-bench)"
@@ -229,6 +251,7 @@ EOF
   echo "ptxas:    $ptxas_summary"
   echo "pytest:   $test_status"
   echo "          $test_line"
+  echo "sanitize: $sanitize_status"
   echo "bench:    $bench_status"
   if [ -s "$OUT/bench_table.txt" ]; then
     echo

@@ -92,11 +92,11 @@ def leaf_copies(tensors, dtype=None):
     return [t.detach().to(dtype or t.dtype).requires_grad_() for t in tensors]
 
 
-def check_gradients(q, k, v, *, causal, softmax_scale=None, dout=None):
+def check_gradients(q, k, v, *, causal, softmax_scale=None, dout=None, deterministic=False):
     """dq, dk, dv from autograd through flash_ext.attention against autograd through the float64
     reference, for a random dout (or the one given); returns (dq, dk, dv)."""
     inputs = leaf_copies((q, k, v))
-    out = flash_ext.attention(*inputs, causal=causal, softmax_scale=softmax_scale)
+    out = flash_ext.attention(*inputs, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
     if dout is None:
         dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs, dout)

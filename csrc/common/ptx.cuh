@@ -21,6 +21,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_dst, const void* gmem_
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
 }
 
+// 4-byte global -> shared copy (per-row floats such as lse); zero-filled when `valid` is false.
+// (.cg takes only 16-byte copies, hence .ca.)
+__device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_dst), "l"(gmem_src), "r"(src_bytes));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Wait until at most `kPending` committed groups are still in flight.
@@ -86,6 +93,17 @@ template <>
 __device__ __forceinline__ uint32_t pack_float2<__half>(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// address[0] += x, address[1] += y in global memory, without a return value (a reduction in L2).
+// sm90 has a 64-bit vector form: half the atomic operations of two scalar ones.
+__device__ __forceinline__ void atomic_add_float2(float* address, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(address), make_float2(x, y));
+#else
+  atomicAdd(address, x);
+  atomicAdd(address + 1, y);
+#endif
 }
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }

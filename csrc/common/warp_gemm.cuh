@@ -27,6 +27,15 @@ __device__ __forceinline__ uint32_t a_lane_address(const Element* tile) {
   return smem_address(tile + (lane % 16) * kPitch + lane / 16 * 8);
 }
 
+// A operand (16 rows x 16 k) from a tile stored transposed (its rows are k, contiguous along
+// the A rows), loaded with ldmatrix.trans: matrices (k 0-7, rows 0-7), (k 0-7, rows 8-15),
+// (k 8-15, rows 0-7), (k 8-15, rows 8-15) -> a0..a3 after the transpose.
+template <int kPitch, typename Element>
+__device__ __forceinline__ uint32_t a_transposed_lane_address(const Element* tile) {
+  const int lane = threadIdx.x % 32;
+  return smem_address(tile + (lane % 8 + lane / 16 * 8) * kPitch + (lane / 8 % 2) * 8);
+}
+
 // B operand, rows are N (two n-tiles of 8 x 16 k): matrices (n 0-7, k 0-7), (n 0-7, k 8-15),
 // (n 8-15, k 0-7), (n 8-15, k 8-15) -> {b0, b1} of n-tile 0, then of n-tile 1.
 template <int kPitch, typename Element>

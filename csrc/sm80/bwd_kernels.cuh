@@ -4,17 +4,18 @@
 // With S = scale · Q·Kᵀ, P = softmax(S), O = P·V and D_i = rowsum(dO ∘ O)_i:
 //   dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ∘ (dP − D),  dK = scale · dSᵀ·Q,  dQ = scale · dS·K.
 //
-// Three launches, none with atomics, so the gradients are bit-reproducible:
+// Launches:
 //   1. preprocess: D for every query row;
 //   2. dK/dV: a CTA per (key block, kv head) keeps K and V in shared memory, walks every query
 //      block (and every query head of its GQA group) that can see them, and accumulates dK and
 //      dV in registers. Its warps own 16 keys each and compute the transposed tiles Sᵀ = K·Qᵀ
 //      and dPᵀ = V·dOᵀ, whose accumulators are directly the A operands of dV += Pᵀ·dO and
-//      dK += dSᵀ·Q;
-//   3. dQ: a CTA per query block recomputes S and dP against the key blocks it sees and
-//      accumulates dQ += dS·K in registers.
-// Recomputing S and dP in the dQ kernel costs two extra GEMMs (7 instead of FlashAttention-2's
-// 5, which accumulates dQ with fp32 atomics from the dK/dV kernel instead).
+//      dK += dSᵀ·Q. With deterministic = false it also computes dQ += dS·K from a shared copy
+//      of dSᵀ and adds it into an fp32 buffer with atomics (FlashAttention-2's 5 GEMMs);
+//   3. deterministic = false: dQ = scale · buffer, rounded (convert kernel);
+//      deterministic = true: a dQ kernel per query block recomputes S and dP against the key
+//      blocks it sees and accumulates dQ in registers: 7 GEMMs instead of 5, no atomics, so the
+//      gradients are bit-reproducible.
 #pragma once
 
 #include <cstdint>
@@ -60,24 +61,31 @@ __global__ void __launch_bounds__(256) attention_bwd_preprocess_kernel(const __g
 // Which gradients one launch of the dK/dV kernel produces (head dims > 128 use two launches).
 enum class KvGrads { kBoth, kOnlyDv, kOnlyDk };
 
+// num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (dkdv_stages).
 template <typename Tile, KvGrads kGrads, typename Element>
-__global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params) {
+__global__ void __launch_bounds__(Tile::kThreads)
+    attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params, const int num_stages) {
   constexpr int kHeadDim = Tile::kHeadDim;
   constexpr int kPitch = Tile::kSmemRowPitch;
+  constexpr int kDsPitch = Tile::kDsRowPitch;
   constexpr int kBlockKeys = Tile::kBlockKeys;
   constexpr int kBlockQueries = Tile::kBlockQueries;
   constexpr int kNTilesQ = kBlockQueries / 8;  // score-tile columns are queries here
   constexpr int kNTilesD = kHeadDim / 8;
+  constexpr int kQueryTileElements = kBlockQueries * kPitch;
   constexpr bool kDv = kGrads != KvGrads::kOnlyDk;
   constexpr bool kDk = kGrads != KvGrads::kOnlyDv;
+  // dQ needs dS, which the launch computing dK has.
+  const bool fused_dq = kDk && params.dq_accum != nullptr;
 
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   Element* smem_k = reinterpret_cast<Element*>(smem_bytes);
   Element* smem_v = smem_k + kBlockKeys * kPitch;
-  Element* smem_q = smem_v + kBlockKeys * kPitch;
-  Element* smem_dout = smem_q + kBlockQueries * kPitch;
-  float* smem_lse_log2 = reinterpret_cast<float*>(smem_dout + kBlockQueries * kPitch);  // lse · log2(e)
-  float* smem_d = smem_lse_log2 + kBlockQueries;
+  Element* smem_dst = smem_v + kBlockKeys * kPitch;  // dSᵀ: keys x queries
+  Element* smem_q = smem_dst + kBlockKeys * kDsPitch;  // then num_stages tiles each of Q and dO
+  Element* smem_dout = smem_q + num_stages * kQueryTileElements;
+  float* smem_lse = reinterpret_cast<float*>(smem_dout + num_stages * kQueryTileElements);
+  float* smem_d = smem_lse + num_stages * kBlockQueries;
 
   const int key_block = blockIdx.x;
   const int kv_head = blockIdx.y;
@@ -89,6 +97,36 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dkdv_kernel(cons
   const int lane = threadIdx.x % 32;
   const int warp_first_key = warp * 16;  // within the block
 
+  // The CTA walks (query head of the GQA group, query block) pairs. Causal: query i sees key j iff
+  // j <= i + causal_offset, so no query before first_key - causal_offset sees this block.
+  const int first_query_block = params.causal ? max(0, first_key - causal_offset) / kBlockQueries : 0;
+  const int num_query_blocks = (params.seqlen_q + kBlockQueries - 1) / kBlockQueries;
+  const int end_head = (kv_head + 1) * params.heads_per_kv();
+
+  // Starts the copies of one query block's Q, dO, lse and D into buffer `stage`, as one group.
+  auto load_query_block = [&](int head, int query_block, int stage) {
+    const int first_query = query_block * kBlockQueries;
+    const int valid_queries = min(kBlockQueries, params.seqlen_q - first_query);
+    load_tile_async<Tile, kBlockQueries>(smem_q + stage * kQueryTileElements,
+                                         static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
+                                             head * params.q_strides.head + first_query * params.q_strides.row,
+                                         params.q_strides.row, valid_queries);
+    load_tile_async<Tile, kBlockQueries>(
+        smem_dout + stage * kQueryTileElements,
+        static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
+            head * params.dout_strides.head + first_query * params.dout_strides.row,
+        params.dout_strides.row, valid_queries);
+    if (threadIdx.x < kBlockQueries) {
+      const int i = threadIdx.x;
+      const bool valid = i < valid_queries;
+      const int64_t row_index = (static_cast<int64_t>(batch) * params.heads_q + head) * params.seqlen_q + first_query + i;
+      cp_async_4(smem_address(smem_lse + stage * kBlockQueries + i), params.lse + (valid ? row_index : 0), valid);
+      cp_async_4(smem_address(smem_d + stage * kBlockQueries + i), params.softmax_d + (valid ? row_index : 0), valid);
+    }
+    cp_async_commit();
+  };
+
+  // K and V travel in the first query block's copy group.
   load_tile_async<Tile, kBlockKeys>(smem_k,
                                     static_cast<const Element*>(params.k) + batch * params.k_strides.batch +
                                         kv_head * params.k_strides.head + first_key * params.k_strides.row,
@@ -97,12 +135,14 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dkdv_kernel(cons
                                     static_cast<const Element*>(params.v) + batch * params.v_strides.batch +
                                         kv_head * params.v_strides.head + first_key * params.v_strides.row,
                                     params.v_strides.row, valid_keys);
-  cp_async_commit();
-
-  // Causal: query i sees key j iff j <= i + causal_offset, so no query before
-  // first_key - causal_offset sees this block.
-  const int first_query_block = params.causal ? max(0, first_key - causal_offset) / kBlockQueries : 0;
-  const int num_query_blocks = (params.seqlen_q + kBlockQueries - 1) / kBlockQueries;
+  int head = kv_head * params.heads_per_kv();
+  int query_block = first_query_block;
+  if (query_block < num_query_blocks) {
+    load_query_block(head, query_block, 0);
+  } else {
+    cp_async_commit();
+    head = end_head;  // nothing to walk
+  }
 
   float acc_dv[1][kNTilesD][4] = {};
   float acc_dk[1][kNTilesD][4] = {};
@@ -112,71 +152,129 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dkdv_kernel(cons
   const uint32_t dout_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_dout);              // B of V·dOᵀ
   const uint32_t dout_as_b_addr = b_rows_k_lane_address<kPitch>(smem_dout);               // B of Pᵀ·dO
   const uint32_t q_as_b_addr = b_rows_k_lane_address<kPitch>(smem_q);                     // B of dSᵀ·Q
+  // This thread's two key rows are thread_key and thread_key + 8. Zero-filled rows past
+  // seqlen_k must get P = 0, or their dS would reach dQ.
+  const int thread_key = first_key + warp_first_key + lane / 4;
 
-  for (int group_member = 0; group_member < params.heads_per_kv(); ++group_member) {
-    const int head = kv_head * params.heads_per_kv() + group_member;
-    for (int query_block = first_query_block; query_block < num_query_blocks; ++query_block) {
-      const int first_query = query_block * kBlockQueries;
-      const int valid_queries = min(kBlockQueries, params.seqlen_q - first_query);
-      __syncthreads();  // every warp is done with the previous block's Q, dO, lse and D
-      load_tile_async<Tile, kBlockQueries>(smem_q,
-                                           static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
-                                               head * params.q_strides.head + first_query * params.q_strides.row,
-                                           params.q_strides.row, valid_queries);
-      load_tile_async<Tile, kBlockQueries>(
-          smem_dout,
-          static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
-              head * params.dout_strides.head + first_query * params.dout_strides.row,
-          params.dout_strides.row, valid_queries);
-      cp_async_commit();
-      for (int i = threadIdx.x; i < kBlockQueries; i += Tile::kThreads) {
-        const int64_t row_index = (static_cast<int64_t>(batch) * params.heads_q + head) * params.seqlen_q + first_query + i;
-        const float lse = i < valid_queries ? params.lse[row_index] : -INFINITY;
-        // Rows past the end, and rows that saw no key (lse = -inf), get base +inf: their P is 0.
-        smem_lse_log2[i] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-        smem_d[i] = i < valid_queries ? params.softmax_d[row_index] : 0.f;
-      }
-      cp_async_wait<0>();
-      __syncthreads();
+  for (int stage = 0; head < end_head;) {
+    int next_head = head, next_query_block = query_block + 1;
+    if (next_query_block == num_query_blocks) {
+      next_query_block = first_query_block;
+      ++next_head;
+    }
+    const bool has_next = next_head < end_head;
+    cp_async_wait<0>();
+    // This block's copies have landed for every thread; every warp is done with the previous
+    // block (its buffer, and dSᵀ): the next block may load into that buffer now.
+    __syncthreads();
+    if (num_stages == 2 && has_next) load_query_block(next_head, next_query_block, stage ^ 1);
 
-      // Pᵀ for the warp's 16 keys x kBlockQueries queries.
-      float acc_pt[1][kNTilesQ][4] = {};
-      gemm_smem_abt<Element, 1, kNTilesQ, kHeadDim / 16, kPitch, kPitch>(acc_pt, k_lane_addr, q_as_bt_addr);
+    const int first_query = query_block * kBlockQueries;
+    const int valid_queries = min(kBlockQueries, params.seqlen_q - first_query);
+    const uint32_t stage_offset = stage * kQueryTileElements * sizeof(Element);
+    const float* block_lse = smem_lse + stage * kBlockQueries;
+    const float* block_d = smem_d + stage * kBlockQueries;
+
+    // Pᵀ for the warp's 16 keys x kBlockQueries queries. Masked entries are set to 0 by a select,
+    // so the exp2 of a row that sees no key (lse = -inf: every entry of it is masked) is never used.
+    float acc_pt[1][kNTilesQ][4] = {};
+    gemm_smem_abt<Element, 1, kNTilesQ, kHeadDim / 16, kPitch, kPitch>(acc_pt, k_lane_addr, q_as_bt_addr + stage_offset);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int key = first_key + warp_first_key + lane / 4 + 8 * half;
+    for (int half = 0; half < 2; ++half) {
 #pragma unroll
-        for (int nj = 0; nj < kNTilesQ; ++nj) {
+      for (int nj = 0; nj < kNTilesQ; ++nj) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int query_in_block = nj * 8 + 2 * (lane % 4) + e;
-            const bool visible = !params.causal || key <= first_query + query_in_block + causal_offset;
-            float& score = acc_pt[0][nj][2 * half + e];
-            score = visible ? exp2f(fmaf(score, params.scale_log2, -smem_lse_log2[query_in_block])) : 0.f;
-          }
+        for (int e = 0; e < 2; ++e) {
+          const int query_in_block = nj * 8 + 2 * (lane % 4) + e;
+          const int key = thread_key + 8 * half;
+          const bool visible = key < params.seqlen_k && query_in_block < valid_queries &&
+                               (!params.causal || key <= first_query + query_in_block + causal_offset);
+          float& score = acc_pt[0][nj][2 * half + e];
+          score = visible ? exp2f(fmaf(score, params.scale_log2, -block_lse[query_in_block] * kLog2e)) : 0.f;
         }
-      }
-
-      if constexpr (kDv) {
-        uint32_t pt_frag[1][kBlockQueries / 16][4];
-        accumulator_to_a_fragments<Element>(acc_pt, pt_frag);
-        gemm_rs_ab<Element, 1, kNTilesD, kBlockQueries / 16, kPitch>(acc_dv, pt_frag, dout_as_b_addr);
-      }
-      if constexpr (kDk) {
-        float acc_dst[1][kNTilesQ][4] = {};  // dPᵀ, then dSᵀ in place
-        gemm_smem_abt<Element, 1, kNTilesQ, kHeadDim / 16, kPitch, kPitch>(acc_dst, v_lane_addr, dout_as_bt_addr);
-#pragma unroll
-        for (int nj = 0; nj < kNTilesQ; ++nj) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            acc_dst[0][nj][r] = acc_pt[0][nj][r] * (acc_dst[0][nj][r] - smem_d[nj * 8 + 2 * (lane % 4) + r % 2]);
-          }
-        }
-        uint32_t dst_frag[1][kBlockQueries / 16][4];
-        accumulator_to_a_fragments<Element>(acc_dst, dst_frag);
-        gemm_rs_ab<Element, 1, kNTilesD, kBlockQueries / 16, kPitch>(acc_dk, dst_frag, q_as_b_addr);
       }
     }
+
+    if constexpr (kDv) {
+      uint32_t pt_frag[1][kBlockQueries / 16][4];
+      accumulator_to_a_fragments<Element>(acc_pt, pt_frag);
+      gemm_rs_ab<Element, 1, kNTilesD, kBlockQueries / 16, kPitch>(acc_dv, pt_frag, dout_as_b_addr + stage_offset);
+    }
+    if constexpr (kDk) {
+      float acc_dst[1][kNTilesQ][4] = {};  // dPᵀ, then dSᵀ in place
+      gemm_smem_abt<Element, 1, kNTilesQ, kHeadDim / 16, kPitch, kPitch>(acc_dst, v_lane_addr,
+                                                                          dout_as_bt_addr + stage_offset);
+#pragma unroll
+      for (int nj = 0; nj < kNTilesQ; ++nj) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          acc_dst[0][nj][r] = acc_pt[0][nj][r] * (acc_dst[0][nj][r] - block_d[nj * 8 + 2 * (lane % 4) + r % 2]);
+        }
+      }
+      uint32_t dst_frag[1][kBlockQueries / 16][4];
+      accumulator_to_a_fragments<Element>(acc_dst, dst_frag);
+      gemm_rs_ab<Element, 1, kNTilesD, kBlockQueries / 16, kPitch>(acc_dk, dst_frag, q_as_b_addr + stage_offset);
+
+      if (fused_dq) {
+        // dSᵀ (16-bit, as it entered dK's GEMM) to shared memory: fragment register j of k-step s
+        // holds rows lane/4 (+8 for j odd) and columns 16s + 2(lane%4) (+8 for j >= 2).
+#pragma unroll
+        for (int kstep = 0; kstep < kBlockQueries / 16; ++kstep) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int row = warp_first_key + lane / 4 + 8 * (j % 2);
+            const int col = kstep * 16 + 2 * (lane % 4) + 8 * (j / 2);
+            *reinterpret_cast<uint32_t*>(smem_dst + row * kDsPitch + col) = dst_frag[0][kstep][j];
+          }
+        }
+        __syncthreads();  // all of dSᵀ is in shared memory
+
+        // dQ (kBlockQueries x kHeadDim) += dS · K: warp = (16-query row block, column group); the
+        // columns go in chunks of at most 32 so the chunk accumulator stays small (16 floats).
+        constexpr int kRowBlocks = kBlockQueries / 16;
+        constexpr int kColGroups = Tile::kWarps / kRowBlocks;
+        constexpr int kColsPerWarp = kHeadDim / kColGroups;
+        constexpr int kChunkCols = 16;
+        static_assert(Tile::kWarps % kRowBlocks == 0 && kColsPerWarp % kChunkCols == 0, "dQ warp layout");
+        const int dq_first_row = warp % kRowBlocks * 16;
+        const int dq_first_col = warp / kRowBlocks * kColsPerWarp;
+        const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k);  // B of dQ += dS·K
+        uint32_t ds_frag[1][kBlockKeys / 16][4];
+        const uint32_t ds_lane_addr = a_transposed_lane_address<kDsPitch>(smem_dst + dq_first_row);
+#pragma unroll
+        for (int kstep = 0; kstep < kBlockKeys / 16; ++kstep) {
+          ldmatrix_x4_trans(ds_frag[0][kstep], ds_lane_addr + kstep * 16 * kDsPitch * sizeof(Element));
+        }
+        const int64_t dq_row_stride = static_cast<int64_t>(params.heads_q) * kHeadDim;
+        float* dq_accum_row = params.dq_accum +
+                              ((static_cast<int64_t>(batch) * params.seqlen_q + first_query + dq_first_row + lane / 4) *
+                                   params.heads_q + head) * kHeadDim +
+                              dq_first_col + 2 * (lane % 4);
+#pragma unroll
+        for (int chunk = 0; chunk < kColsPerWarp / kChunkCols; ++chunk) {
+          float acc_dq[1][kChunkCols / 8][4] = {};
+          gemm_rs_ab<Element, 1, kChunkCols / 8, kBlockKeys / 16, kPitch>(
+              acc_dq, ds_frag, k_as_b_addr + (dq_first_col + chunk * kChunkCols) * sizeof(Element));
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            if (dq_first_row + lane / 4 + 8 * half >= valid_queries) continue;
+#pragma unroll
+            for (int nt = 0; nt < kChunkCols / 8; ++nt) {
+              atomic_add_float2(dq_accum_row + 8 * half * dq_row_stride + chunk * kChunkCols + nt * 8,
+                                acc_dq[0][nt][2 * half], acc_dq[0][nt][2 * half + 1]);
+            }
+          }
+        }
+      }
+    }
+
+    if (num_stages == 1 && has_next) {
+      __syncthreads();  // every warp is done with this block's buffer
+      load_query_block(next_head, next_query_block, 0);
+    }
+    head = next_head;
+    query_block = next_query_block;
+    if (num_stages == 2) stage ^= 1;
   }
 
   // Each thread writes rows lane/4 and lane/4 + 8 of its warp's 16 keys, two columns per tile.
@@ -184,9 +282,8 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dkdv_kernel(cons
   Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_strides.batch + kv_head * params.dv_strides.head;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int key_in_block = warp_first_key + lane / 4 + 8 * half;
-    if (key_in_block >= valid_keys) continue;
-    const int64_t key = first_key + key_in_block;
+    const int64_t key = thread_key + 8 * half;
+    if (key >= params.seqlen_k) continue;
 #pragma unroll
     for (int nd = 0; nd < kNTilesD; ++nd) {
       const int col = nd * 8 + 2 * (lane % 4);
@@ -201,6 +298,27 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dkdv_kernel(cons
       }
     }
   }
+}
+
+// dq = softmax_scale · dq_accum, rounded to the input dtype: 8 elements per thread.
+template <int kHeadDim, typename Element>
+__global__ void __launch_bounds__(256) attention_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  const int64_t chunk_id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row_id = chunk_id / kChunksPerRow;  // (batch, row, head), head fastest, as dq_accum
+  if (row_id >= static_cast<int64_t>(params.batch) * params.seqlen_q * params.heads_q) return;
+  const int col = chunk_id % kChunksPerRow * 8;
+  const int head = row_id % params.heads_q;
+  const int64_t row = row_id / params.heads_q % params.seqlen_q;
+  const int64_t batch = row_id / params.heads_q / params.seqlen_q;
+  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + row_id * kHeadDim + col);
+  const float4 lo = src[0], hi = src[1];
+  const float s = params.softmax_scale;
+  const uint4 packed = {pack_float2<Element>(lo.x * s, lo.y * s), pack_float2<Element>(lo.z * s, lo.w * s),
+                        pack_float2<Element>(hi.x * s, hi.y * s), pack_float2<Element>(hi.z * s, hi.w * s)};
+  Element* dq = static_cast<Element*>(params.dq) + batch * params.dq_strides.batch + row * params.dq_strides.row +
+                head * params.dq_strides.head + col;
+  *reinterpret_cast<uint4*>(dq) = packed;
 }
 
 template <typename Tile, typename Element>
