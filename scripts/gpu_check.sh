@@ -204,7 +204,7 @@ EOF
     local tool tool_rc
     for tool in memcheck racecheck; do
       set +e
-      timeout -k 10 "$(min 120 $(($(remaining) - 60)))" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 "$(min 120 $(($(remaining) - 60)))" compute-sanitizer --tool "$tool" --error-exitcode 9 \
         "$PY" scripts/sanitize.py >>"$OUT/sanitize.log" 2>&1
       tool_rc=$?
       set -e

@@ -230,21 +230,16 @@ __global__ void __launch_bounds__(Tile::kThreads)
         __syncthreads();  // all of dSᵀ is in shared memory
 
         // dQ (kBlockQueries x kHeadDim) += dS · K: warp = (16-query row block, column group); the
-        // columns go in chunks of at most 32 so the chunk accumulator stays small (16 floats).
+        // columns go in chunks of at most 32 so the chunk accumulator stays small (<= 16 floats).
         constexpr int kRowBlocks = kBlockQueries / 16;
         constexpr int kColGroups = Tile::kWarps / kRowBlocks;
         constexpr int kColsPerWarp = kHeadDim / kColGroups;
-        constexpr int kChunkCols = 16;
+        constexpr int kChunkCols = kColsPerWarp % 32 == 0 ? 32 : 16;
         static_assert(Tile::kWarps % kRowBlocks == 0 && kColsPerWarp % kChunkCols == 0, "dQ warp layout");
         const int dq_first_row = warp % kRowBlocks * 16;
         const int dq_first_col = warp / kRowBlocks * kColsPerWarp;
         const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k);  // B of dQ += dS·K
-        uint32_t ds_frag[1][kBlockKeys / 16][4];
         const uint32_t ds_lane_addr = a_transposed_lane_address<kDsPitch>(smem_dst + dq_first_row);
-#pragma unroll
-        for (int kstep = 0; kstep < kBlockKeys / 16; ++kstep) {
-          ldmatrix_x4_trans(ds_frag[0][kstep], ds_lane_addr + kstep * 16 * kDsPitch * sizeof(Element));
-        }
         const int64_t dq_row_stride = static_cast<int64_t>(params.heads_q) * kHeadDim;
         float* dq_accum_row = params.dq_accum +
                               ((static_cast<int64_t>(batch) * params.seqlen_q + first_query + dq_first_row + lane / 4) *
@@ -253,8 +248,15 @@ __global__ void __launch_bounds__(Tile::kThreads)
 #pragma unroll
         for (int chunk = 0; chunk < kColsPerWarp / kChunkCols; ++chunk) {
           float acc_dq[1][kChunkCols / 8][4] = {};
-          gemm_rs_ab<Element, 1, kChunkCols / 8, kBlockKeys / 16, kPitch>(
-              acc_dq, ds_frag, k_as_b_addr + (dq_first_col + chunk * kChunkCols) * sizeof(Element));
+          // dS fragments are reloaded per chunk (cheap) rather than held: registers are the limit.
+#pragma unroll
+          for (int kstep = 0; kstep < kBlockKeys / 16; ++kstep) {
+            uint32_t ds_frag[1][1][4];
+            ldmatrix_x4_trans(ds_frag[0][0], ds_lane_addr + kstep * 16 * kDsPitch * sizeof(Element));
+            gemm_rs_ab<Element, 1, kChunkCols / 8, 1, kPitch>(
+                acc_dq, ds_frag,
+                k_as_b_addr + (kstep * 16 * kPitch + dq_first_col + chunk * kChunkCols) * sizeof(Element));
+          }
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             if (dq_first_row + lane / 4 + 8 * half >= valid_queries) continue;
@@ -325,7 +327,7 @@ template <typename Tile, typename Element>
 __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const __grid_constant__ BwdParams params) {
   constexpr int kHeadDim = Tile::kHeadDim;
   constexpr int kPitch = Tile::kSmemRowPitch;
-  constexpr int kBlockKeys = Tile::kDqBlockKeys;
+  constexpr int kBlockKeys = Tile::kBlockKeys;
   constexpr int kBlockQueries = Tile::kBlockQueries;
   constexpr int kNTilesK = kBlockKeys / 8;  // score-tile columns are keys here
   constexpr int kNTilesD = kHeadDim / 8;

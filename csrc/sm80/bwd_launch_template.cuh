@@ -10,10 +10,9 @@
 namespace flash_ext::sm80 {
 
 // Query-block buffers of the dK/dV kernel: 2 (the next block's Q and dO load while this one
-// computes) unless the second buffer costs a CTA per SM. Registers allow 2 CTAs per SM at
-// head_dim <= 128 (255 registers x 128 threads), so e.g. on an H200 (228 KB per SM) head_dim 128
-// double-buffers in 2 x 113 KB, head_dim 160-224 stay single-buffered at 2 CTAs, and 256 is
-// 1 CTA either way; on an A100 (164 KB) only head_dim <= 64 double-buffers.
+// computes) unless the second buffer costs a CTA per SM or does not fit. With 8 warps of up to
+// 255 registers only one CTA fits per SM anyway, so e.g. on an H200 (227 KB per block) head_dim
+// <= 128 double-buffers and 160-256 do not; on an A100 (163 KB) head_dim <= 128 does too.
 template <typename Tile>
 int dkdv_stages() {
   int device = 0, smem_per_sm = 0, smem_per_block = 0;
@@ -23,9 +22,9 @@ int dkdv_stages() {
   throw_on_cuda_error(cudaDeviceGetAttribute(&smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
                       "querying shared memory per block");
   constexpr int kReservedPerCta = 1024;  // the driver's per-CTA shared memory reservation
-  constexpr int kCtasAllowedByRegisters = 2;
+  constexpr int kCtasAllowedByRegisters = std::max(1, 65536 / (Tile::kThreads * 255));
   auto ctas_per_sm = [&](int stages) {
-    const int bytes = Tile::dkdv_smem_bytes(stages);
+    const int bytes = Tile::smem_bytes(stages);
     return bytes > smem_per_block ? 0 : std::min(kCtasAllowedByRegisters, smem_per_sm / (bytes + kReservedPerCta));
   };
   if (ctas_per_sm(1) == 0) throw std::runtime_error("flash_ext: the backward's tiles do not fit in shared memory");
@@ -34,7 +33,8 @@ int dkdv_stages() {
 
 template <Elem16 kElem, int kHeadDim>
 void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
-  using Tile = BwdTile<kHeadDim>;
+  using Tile = BwdDkDvTileFor<kHeadDim>;
+  using DqTile = BwdDqTile<kHeadDim>;
   using Element = ElementOf<kElem>;
   check_grid_limits(params, "backward");
 
@@ -44,10 +44,10 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
       <<<static_cast<unsigned>((num_rows + 7) / 8), 256, 0, stream>>>(params);
   throw_on_cuda_error(cudaGetLastError(), "launching the backward preprocess kernel");
 
-  // 2. dK and dV (in two launches above head_dim 128; see BwdTile), and with params.dq_accum
+  // 2. dK and dV (in two launches above head_dim 128; see BwdDkDvTile), and with params.dq_accum
   //    the atomic dQ sums (in the launch that computes dK).
   const int num_stages = dkdv_stages<Tile>();
-  const int smem_bytes = Tile::dkdv_smem_bytes(num_stages);
+  const int smem_bytes = Tile::smem_bytes(num_stages);
   auto launch_dkdv = [&](auto kernel) {
     set_smem_limit(kernel, smem_bytes, "the dK/dV kernel");
     const dim3 grid((params.seqlen_k + Tile::kBlockKeys - 1) / Tile::kBlockKeys, params.heads_kv, params.batch);
@@ -68,10 +68,10 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
         <<<static_cast<unsigned>((num_chunks + 255) / 256), 256, 0, stream>>>(params);
     throw_on_cuda_error(cudaGetLastError(), "launching the dQ conversion kernel");
   } else {
-    const auto dq_kernel = attention_bwd_dq_kernel<Tile, Element>;
-    set_smem_limit(dq_kernel, Tile::kDqSmemBytes, "the dQ kernel");
-    const dim3 grid((params.seqlen_q + Tile::kBlockQueries - 1) / Tile::kBlockQueries, params.heads_q, params.batch);
-    dq_kernel<<<grid, Tile::kThreads, Tile::kDqSmemBytes, stream>>>(params);
+    const auto dq_kernel = attention_bwd_dq_kernel<DqTile, Element>;
+    set_smem_limit(dq_kernel, DqTile::kSmemBytes, "the dQ kernel");
+    const dim3 grid((params.seqlen_q + DqTile::kBlockQueries - 1) / DqTile::kBlockQueries, params.heads_q, params.batch);
+    dq_kernel<<<grid, DqTile::kThreads, DqTile::kSmemBytes, stream>>>(params);
     throw_on_cuda_error(cudaGetLastError(), "launching the dQ kernel");
   }
 }
