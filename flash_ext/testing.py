@@ -1,0 +1,32 @@
+"""Helpers for testing code that uses flash_ext's dropout: the exact keep mask of a call, so that a
+plain-PyTorch reference (flash_ext.reference) can apply the same mask.
+
+    out, lse, rng_state = flash_ext.testing.attention_with_rng_state(q, k, v, dropout_p=0.1)
+    keep = flash_ext.testing.dropout_keep_mask(rng_state, batch, heads_q, seqlen_q, seqlen_k, 0.1)
+    out_ref, lse_ref = flash_ext.reference.attention_ref(q, k, v, dropout_p=0.1, dropout_mask=keep)
+"""
+import torch
+
+from .interface import _attention, _attention_varlen
+
+
+def attention_with_rng_state(q, k, v, **kwargs):
+    """flash_ext.attention(q, k, v, **kwargs) (without return_lse), returning (out, lse, rng_state):
+    rng_state is int64 [seed, offset] of the dropout mask, zeros without dropout. Differentiable like
+    flash_ext.attention."""
+    return _attention(q, k, v, **kwargs)
+
+
+def attention_varlen_with_rng_state(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
+    """flash_ext.attention_varlen(...) returning (out, lse, rng_state), as attention_with_rng_state."""
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
+
+
+def dropout_keep_mask(rng_state, batch, heads_q, seqlen_q, seqlen_k, dropout_p):
+    """The keep mask (True = kept) of a call that returned rng_state: bool (batch, heads_q, seqlen_q,
+    seqlen_k) on the CPU. Computed by the same Philox function as the CPU path and the CUDA kernels
+    (csrc/common/philox.h): element (b, h, i, j) depends only on (seed, offset, b * heads_q + h, i, j).
+    For attention_varlen, batch is the number of sequences and seqlen_* the longest lengths;
+    sequence b's mask is mask[b, :, :len_q(b), :len_k(b)]."""
+    return torch.ops.flash_ext.dropout_keep_mask(rng_state.cpu(), batch, heads_q, seqlen_q, seqlen_k,
+                                                 float(dropout_p))
