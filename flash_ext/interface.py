@@ -123,8 +123,11 @@ attention_varlen.__doc__ = """Attention over a batch of sequences of different l
             the lengths, ending at total_q (total_k).
         max_seqlen_q, max_seqlen_k: the longest query (key) sequence; at least the true maximum.
             The CPU path checks cu_seqlens' values; a GPU path cannot without a device-to-host sync,
-            so there they are the caller's contract.""" + _FEATURES_DOC.replace(
-    "(batch, heads_q)", "(batch, heads_q) (batch = number of sequences)") + """
+            so there they are the caller's contract.
+        Below, seqlen_q and seqlen_k are the lengths of the query's own sequence, and batch is the
+        number of sequences.""" + _FEATURES_DOC + """
     Returns:
         out (total_q, heads_q, head_dim), or (out, lse) when return_lse, lse (heads_q, total_q).
+
+    attention_varlen itself has no CUDA kernels yet: on CUDA it raises an error.
     """
