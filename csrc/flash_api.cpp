@@ -203,7 +203,8 @@ at::Tensor usable_layout(const at::Tensor& t) {
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-// (Dropout seed and offset.) Drawn once per forward call and handed to the backward.
+// The Philox seed and offset of a call's dropout mask: drawn once per forward call and handed to
+// the backward through the forward's rng_state output.
 struct RngState {
   uint64_t seed = 0;
   uint64_t offset = 0;
