@@ -52,9 +52,7 @@ def keep_by_the_documented_mapping(seed, offset, batch_head, row, col, dropout_p
 @pytest.mark.parametrize("seed,offset", [(0, 0), (42, 4), (2**64 - 5, 2**32 + 12), (0x0123456789ABCDEF, 2**64 - 1)])
 def test_keep_mask_follows_the_documented_mapping(seed, offset):
     batch, heads, seqlen_q, seqlen_k, dropout_p = 2, 3, 5, 11, 0.4
-    to_int64 = lambda x: x - 2**64 if x >= 2**63 else x  # noqa: E731  (rng_state holds the bits as int64)
-    rng_state = torch.tensor([to_int64(seed), to_int64(offset)], dtype=torch.int64)
-    mask = dropout_keep_mask(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p)
+    mask = dropout_keep_mask((seed, offset), batch, heads, seqlen_q, seqlen_k, dropout_p)
     assert mask.dtype == torch.bool and mask.shape == (batch, heads, seqlen_q, seqlen_k)
     for b in range(batch):
         for h in range(heads):
