@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flash_ext
-from flash_ext.testing import attention_varlen_with_rng_state, attention_with_rng_state
+from flash_ext.testing import attention_with_rng_state
 from make_inputs import make_qkv, make_varlen_qkv
 from tolerance import check_forward, check_gradients, check_varlen_forward, check_varlen_gradients
 
