@@ -3,21 +3,26 @@
 // torch: that keeps each .cu file's compile time to the kernel itself.
 //
 // Layout conventions (flash-attn's):
-//   q, out, dq        (batch, seqlen_q, heads_q,  head_dim)
-//   k, v, dk, dv      (batch, seqlen_k, heads_kv, head_dim)
-//   lse, softmax_d    (batch, heads_q, seqlen_q), fp32, contiguous
+//   dense batch (cu_seqlens_q == nullptr)
+//     q, out, dq        (batch, seqlen_q, heads_q,  head_dim)
+//     k, v, dk, dv      (batch, seqlen_k, heads_kv, head_dim)
+//     lse, softmax_d    (batch, heads_q, seqlen_q), fp32, contiguous
+//   variable-length batch (cu_seqlens_q != nullptr): the sequences are packed one after another
+//     q, out, dq        (total_q, heads_q,  head_dim)   sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1
+//     k, v, dk, dv      (total_k, heads_kv, head_dim)   likewise with cu_seqlens_k
+//     lse, softmax_d    (heads_q, total_q), fp32, contiguous
+//     TensorStrides::batch is 0 and seqlen_q / seqlen_k hold the longest sequence (max_seqlen_*).
 // Strides are in elements and int64 (a (batch * seqlen * heads * head_dim) product can pass
 // 2^31). The last dimension is always contiguous (stride 1).
+//
+// Within one sequence of len_q queries and len_k keys, every feature uses the same coordinates:
+// query row i in 0..len_q-1, key column j in 0..len_k-1, and the diagonal j = i + len_k - len_q
+// (bottom-right aligned: the last query faces the last key).
 #pragma once
 
 #include <cstdint>
 
-// Helpers below are called from kernels too.
-#if defined(__CUDACC__)
-#define FLASH_EXT_HOST_DEVICE __host__ __device__
-#else
-#define FLASH_EXT_HOST_DEVICE
-#endif
+#include "common/host_device.h"
 
 namespace flash_ext {
 
@@ -28,6 +33,20 @@ struct TensorStrides {
   int64_t batch = 0;
   int64_t row = 0;   // one step along seqlen
   int64_t head = 0;
+};
+
+// Rows [begin, begin + length) of one sequence in its (packed) tensor.
+struct SequenceSpan {
+  int64_t begin = 0;
+  int64_t length = 0;
+};
+
+// A half-open range [begin, end) of key columns or query rows of one sequence; empty when
+// begin >= end.
+struct IndexRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  FLASH_EXT_HOST_DEVICE bool empty() const { return begin >= end; }
 };
 
 struct FwdParams {
@@ -50,11 +69,86 @@ struct FwdParams {
 
   float softmax_scale = 0.f;       // multiplies q.k before the softmax
   float scale_log2 = 0.f;          // softmax_scale * log2(e): kernels use exp2(s * scale_log2 - m)
-  bool causal = false;             // bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
+
+  // ---- Which keys a query sees: a band around the diagonal ----
+  // Query i sees key j iff  i + len_k - len_q - window_left <= j <= i + len_k - len_q + window_right,
+  // where kUnbounded (-1) lifts that side. Causal is window_right == 0; flash_api.cpp sets
+  // window_right = 0 for causal=True and then `causal` = (window_right == 0), which is all the
+  // existing CUDA kernels read (they support window_left == kUnbounded only).
+  static constexpr int kUnbounded = -1;
+  int window_left = kUnbounded;
+  int window_right = kUnbounded;
+  bool causal = false;             // window_right == 0: query i sees no key j > i + seqlen_k - seqlen_q
+
+  // ---- Score modifiers, applied in this order to s = softmax_scale * q.k ----
+  float softcap = 0.f;                    // > 0: s = softcap * tanh(s / softcap); 0: off
+  const float* alibi_slopes = nullptr;    // fp32; nullptr: off. s -= slope * |i + len_k - len_q - j| with
+  int64_t alibi_slopes_batch_stride = 0;  // slope = alibi_slopes[b * batch_stride + h]; stride 0: one slope per head
+
+  // ---- Dropout on the normalised probabilities (see common/philox.h for the random mapping) ----
+  float dropout_p = 0.f;           // probability of dropping an element; 0: off
+  float dropout_scale = 1.f;       // 1 / (1 - dropout_p): kept probabilities are multiplied by it
+  uint32_t dropout_threshold = 0;  // a random word below it drops its element (dropout_drop_threshold)
+  uint64_t philox_seed = 0;
+  uint64_t philox_offset = 0;
+
+  // ---- Variable-length batches ----
+  const int32_t* cu_seqlens_q = nullptr;  // (batch + 1) prefix sums of the query lengths; nullptr: dense
+  const int32_t* cu_seqlens_k = nullptr;  // (batch + 1) prefix sums of the key lengths
+  // lse / softmax_d of (sequence b, head h, row i of the sequence) is at
+  //   b * lse_batch_stride + h * lse_head_stride + query_span(b).begin + i
+  int64_t lse_batch_stride = 0;    // dense: heads_q * seqlen_q; varlen: 0
+  int64_t lse_head_stride = 0;     // dense: seqlen_q;           varlen: total_q
 
   FLASH_EXT_HOST_DEVICE int heads_per_kv() const { return heads_q / heads_kv; }
   // Causal: the last key that query row `row` may see (can be negative: the row sees nothing).
   FLASH_EXT_HOST_DEVICE int64_t causal_last_key(int64_t row) const { return row + seqlen_k - seqlen_q; }
+
+  FLASH_EXT_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  FLASH_EXT_HOST_DEVICE bool has_dropout() const { return dropout_p > 0.f; }
+
+  // The query (key) rows of sequence b.
+  FLASH_EXT_HOST_DEVICE SequenceSpan query_span(int64_t b) const {
+    if (!is_varlen()) return {0, seqlen_q};
+    return {cu_seqlens_q[b], static_cast<int64_t>(cu_seqlens_q[b + 1]) - cu_seqlens_q[b]};
+  }
+  FLASH_EXT_HOST_DEVICE SequenceSpan key_span(int64_t b) const {
+    if (!is_varlen()) return {0, seqlen_k};
+    return {cu_seqlens_k[b], static_cast<int64_t>(cu_seqlens_k[b + 1]) - cu_seqlens_k[b]};
+  }
+
+  // The keys query `row` sees in a sequence of len_q queries and len_k keys, clamped to
+  // [0, len_k). Both ends are non-decreasing in `row`, which is what lets a tiled kernel skip
+  // whole tiles outside the band.
+  FLASH_EXT_HOST_DEVICE IndexRange visible_keys(int64_t row, int64_t len_q, int64_t len_k) const {
+    const int64_t diagonal = row + len_k - len_q;
+    int64_t begin = window_left == kUnbounded ? 0 : diagonal - window_left;
+    int64_t end = window_right == kUnbounded ? len_k : diagonal + window_right + 1;
+    begin = begin < 0 ? 0 : (begin > len_k ? len_k : begin);
+    end = end < 0 ? 0 : (end > len_k ? len_k : end);
+    return {begin, end};
+  }
+
+  // The query rows that see at least one key of [key_begin, key_end) (not empty), clamped to
+  // [0, len_q): the inverse of visible_keys.
+  FLASH_EXT_HOST_DEVICE IndexRange rows_seeing(int64_t key_begin, int64_t key_end, int64_t len_q,
+                                               int64_t len_k) const {
+    // Row i sees some key of the range iff its band ends after key_begin and starts before key_end:
+    //   i + len_k - len_q + window_right >= key_begin  and  i + len_k - len_q - window_left <= key_end - 1.
+    int64_t begin = window_right == kUnbounded ? 0 : key_begin - window_right - len_k + len_q;
+    int64_t end = window_left == kUnbounded ? len_q : key_end - 1 + window_left - len_k + len_q + 1;
+    begin = begin < 0 ? 0 : (begin > len_q ? len_q : begin);
+    end = end < 0 ? 0 : (end > len_q ? len_q : end);
+    return {begin, end};
+  }
+
+  FLASH_EXT_HOST_DEVICE float alibi_slope(int64_t b, int64_t h) const {
+    return alibi_slopes == nullptr ? 0.f : alibi_slopes[b * alibi_slopes_batch_stride + h];
+  }
+
+  FLASH_EXT_HOST_DEVICE int64_t lse_index(int64_t b, int64_t h, int64_t row) const {
+    return b * lse_batch_stride + h * lse_head_stride + query_span(b).begin + row;
+  }
 };
 
 struct BwdParams : FwdParams {

@@ -1,8 +1,10 @@
 """flash_ext: exact FlashAttention (forward and backward) as a PyTorch C++/CUDA extension.
 
     out = flash_ext.attention(q, k, v, causal=True)
+    out = flash_ext.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
-q is (batch, seqlen_q, heads_q, head_dim); k and v are (batch, seqlen_k, heads_kv, head_dim).
+q is (batch, seqlen_q, heads_q, head_dim); k and v are (batch, seqlen_k, heads_kv, head_dim); for
+attention_varlen the sequences are packed: (total, heads, head_dim).
 """
 __version__ = "0.1.0"
 
@@ -10,8 +12,8 @@ import torch  # noqa: F401  (loads libtorch before our extension)
 
 from . import _C  # noqa: F401  (registers the torch.ops.flash_ext ops)
 from . import _ops  # noqa: F401  (fake and autograd registrations)
-from . import reference
+from . import reference, testing
 from ._info import info, kernel_path
-from .interface import attention
+from .interface import attention, attention_varlen
 
-__all__ = ["attention", "info", "kernel_path", "reference", "__version__"]
+__all__ = ["attention", "attention_varlen", "info", "kernel_path", "reference", "testing", "__version__"]

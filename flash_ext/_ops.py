@@ -1,18 +1,18 @@
 """Python-side registrations for the ops defined in csrc/flash_api.cpp: fake (meta)
-implementations, so torch.compile can trace them, and autograd, whose backward is the
-`flash_ext::bwd` op."""
+implementations, so torch.compile can trace them, and autograd, whose backwards are the
+`flash_ext::bwd` and `flash_ext::varlen_bwd` ops."""
 import math
 
 import torch
 
 
-def _check_inputs(q, k, v, softmax_scale):
-    """The checks of check_qkv/check_softmax_scale in csrc/flash_api.cpp, for calls that reach the
-    fake: tracing (torch.compile) and any call with a tensor on the meta device, which would
-    otherwise return uninitialised memory instead of an error."""
-    for name, t, dims in (("q", q, "(batch, seqlen_q, heads_q, head_dim)"), ("k", k, "(batch, seqlen_k, heads_kv, head_dim)"),
-                          ("v", v, "(batch, seqlen_k, heads_kv, head_dim)")):
-        torch._check(t.dim() == 4, lambda: f"flash_ext: {name} must have 4 dimensions {dims}, got {t.dim()}")
+# ---- Checks ------------------------------------------------------------------------------------
+# The checks of csrc/flash_api.cpp, for calls that reach the fakes: tracing (torch.compile) and any
+# call with a tensor on the meta device, which would otherwise return uninitialised memory instead
+# of an error. (Checks of cu_seqlens' values need the values and stay in C++.)
+
+
+def _check_qkv_common(q, k, v):
     for name, t in (("k", k), ("v", v)):
         torch._check(t.dtype == q.dtype, lambda: f"flash_ext: {name} has dtype {t.dtype} but q has {q.dtype}")
         torch._check(t.device == q.device, lambda: f"flash_ext: {name} is on {t.device} but q is on {q.device}; "
@@ -20,49 +20,154 @@ def _check_inputs(q, k, v, softmax_scale):
     torch._check(q.dtype in (torch.float16, torch.bfloat16, torch.float32),
                  lambda: f"flash_ext: q has dtype {q.dtype}; expected float16 or bfloat16 (or float32 on the CPU)")
     torch._check(k.shape == v.shape, lambda: f"flash_ext: k and v must have the same shape, got {k.shape} and {v.shape}")
+    torch._check(k.shape[-1] == q.shape[-1],
+                 lambda: f"flash_ext: k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]}")
+    torch._check(1 <= q.shape[-1] <= 256, lambda: f"flash_ext: head_dim must be in 1..256, got {q.shape[-1]}")
+    torch._check(k.shape[-2] >= 1 and q.shape[-2] % k.shape[-2] == 0,
+                 lambda: f"flash_ext: heads_q ({q.shape[-2]}) must be a multiple of heads_kv ({k.shape[-2]})")
+
+
+def _check_dense(q, k, v):
+    for name, t, dims in (("q", q, "(batch, seqlen_q, heads_q, head_dim)"), ("k", k, "(batch, seqlen_k, heads_kv, head_dim)"),
+                          ("v", v, "(batch, seqlen_k, heads_kv, head_dim)")):
+        torch._check(t.dim() == 4, lambda: f"flash_ext: {name} must have 4 dimensions {dims}, got {t.dim()}")
+    _check_qkv_common(q, k, v)
     torch._check(k.shape[0] == q.shape[0], lambda: f"flash_ext: k has batch {k.shape[0]} but q has batch {q.shape[0]}")
-    torch._check(k.shape[3] == q.shape[3], lambda: f"flash_ext: k has head_dim {k.shape[3]} but q has head_dim {q.shape[3]}")
-    torch._check(1 <= q.shape[3] <= 256, lambda: f"flash_ext: head_dim must be in 1..256, got {q.shape[3]}")
-    torch._check(k.shape[2] >= 1 and q.shape[2] % k.shape[2] == 0,
-                 lambda: f"flash_ext: heads_q ({q.shape[2]}) must be a multiple of heads_kv ({k.shape[2]})")
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    for name, t, dims in (("q", q, "(total_q, heads_q, head_dim)"), ("k", k, "(total_k, heads_kv, head_dim)"),
+                          ("v", v, "(total_k, heads_kv, head_dim)")):
+        torch._check(t.dim() == 3, lambda: f"flash_ext: {name} must have 3 dimensions {dims} for attention_varlen, "
+                                           f"got {t.dim()}")
+    _check_qkv_common(q, k, v)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        torch._check(cu.dtype == torch.int32, lambda: f"flash_ext: {name} must be int32, got {cu.dtype}")
+        torch._check(cu.dim() == 1 and cu.shape[0] >= 1,
+                     lambda: f"flash_ext: {name} must be 1-D with batch + 1 entries, got shape {tuple(cu.shape)}")
+        torch._check(cu.device == q.device, lambda: f"flash_ext: {name} is on {cu.device} but q is on {q.device}")
+    torch._check(cu_seqlens_k.shape[0] == cu_seqlens_q.shape[0],
+                 lambda: f"flash_ext: cu_seqlens_k has {cu_seqlens_k.shape[0]} entries but cu_seqlens_q has "
+                         f"{cu_seqlens_q.shape[0]}")
+
+
+def _check_options(q, batch, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p):
     torch._check(math.isfinite(softmax_scale) and softmax_scale > 0,
                  lambda: f"flash_ext: softmax_scale must be a finite positive number, got {softmax_scale}")
+    torch._check(window_left >= -1, lambda: f"flash_ext: window_size[0] must be -1 (unbounded) or >= 0, got {window_left}")
+    torch._check(window_right >= -1,
+                 lambda: f"flash_ext: window_size[1] must be -1 (unbounded) or >= 0, got {window_right}")
+    torch._check(math.isfinite(softcap) and softcap >= 0,
+                 lambda: f"flash_ext: softcap must be 0 (off) or a finite positive number, got {softcap}")
+    torch._check(0 <= dropout_p < 1, lambda: f"flash_ext: dropout_p must be in [0, 1), got {dropout_p}")
+    if alibi_slopes is not None:
+        heads_q = q.shape[-2]
+        torch._check(alibi_slopes.dtype == torch.float32,
+                     lambda: f"flash_ext: alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        torch._check(tuple(alibi_slopes.shape) in ((heads_q,), (batch, heads_q)),
+                     lambda: f"flash_ext: alibi_slopes must have shape (heads_q,) or (batch, heads_q), "
+                             f"got {tuple(alibi_slopes.shape)}")
+
+
+# ---- Fakes -------------------------------------------------------------------------------------
+
+
+def _rng_state_like(q):
+    return q.new_empty((2,), dtype=torch.int64)
 
 
 @torch.library.register_fake("flash_ext::fwd")
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
-    _check_inputs(q, k, v, softmax_scale)
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+              alibi_slopes=None, dropout_p=0.0):
+    _check_dense(q, k, v)
+    _check_options(q, q.shape[0], softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
-    return out, lse
+    return out, lse, _rng_state_like(q)
 
 
 @torch.library.register_fake("flash_ext::bwd")
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
-    _check_inputs(q, k, v, softmax_scale)
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
+              softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+    _check_dense(q, k, v)
+    _check_options(q, q.shape[0], softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
     torch._check(dout.shape == q.shape and out.shape == q.shape, lambda: "flash_ext: dout and out must match q's shape")
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.register_fake("flash_ext::varlen_fwd")
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     deterministic=False, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                     dropout_p=0.0):
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_options(q, cu_seqlens_q.shape[0] - 1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                   dropout_p)
+    total_q, heads_q, _ = q.shape
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((heads_q, total_q), dtype=torch.float32)
+    return out, lse, _rng_state_like(q)
+
+
+@torch.library.register_fake("flash_ext::varlen_bwd")
+def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                     dropout_p=0.0, rng_state=None):
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_options(q, cu_seqlens_q.shape[0] - 1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                   dropout_p)
+    torch._check(dout.shape == q.shape and out.shape == q.shape, lambda: "flash_ext: dout and out must match q's shape")
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("flash_ext::dropout_keep_mask")
+def _dropout_keep_mask_fake(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p):
+    return rng_state.new_empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool)
+
+
+# ---- Autograd ----------------------------------------------------------------------------------
+# setup_context receives every schema argument, defaults filled in. The forward ops' options
+# (everything after q, k, v and, for varlen, the sequence layout) go to the backward ops unchanged;
+# rng_state lets the backward regenerate the forward's dropout mask. lse and rng_state are outputs
+# for inspection (lse e.g. to merge partial attentions); no gradient flows through them, as in
+# flash-attn.
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.deterministic = deterministic
-    # lse is an output for inspection (e.g. to merge partial attentions); its gradient is not
-    # propagated, as in flash-attn.
-    ctx.mark_non_differentiable(lse)
+    q, k, v, *options = inputs
+    *plain_options, alibi_slopes, dropout_p = options
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes)
+    ctx.options = plain_options  # softmax_scale, causal, deterministic, window_left, window_right, softcap
+    ctx.dropout_p = dropout_p
+    ctx.num_inputs = len(inputs)
+    ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flash_ext.bwd(
-        dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic
-    )
-    return dq, dk, dv, None, None, None
+def _backward(ctx, dout, _dlse, _drng_state):
+    q, k, v, out, lse, rng_state, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, *ctx.options, alibi_slopes, ctx.dropout_p, rng_state)
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options = inputs
+    *plain_options, alibi_slopes, dropout_p = options
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.options = plain_options
+    ctx.dropout_p = dropout_p
+    ctx.num_inputs = len(inputs)
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _varlen_backward(ctx, dout, _dlse, _drng_state):
+    q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flash_ext.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
+                                                *ctx.options, alibi_slopes, ctx.dropout_p, rng_state)
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
 torch.library.register_autograd("flash_ext::fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd("flash_ext::varlen_fwd", _varlen_backward, setup_context=_varlen_setup_context)

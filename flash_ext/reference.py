@@ -1,6 +1,8 @@
 """Plain-PyTorch attention with flash_ext's exact semantics, for tests and for debugging.
 
 It materialises the (seqlen_q, seqlen_k) score matrix, so use it on small problems only.
+Every feature uses the coordinates of csrc/params.h: query row i, key column j and the diagonal
+j = i + seqlen_k - seqlen_q (bottom-right aligned).
 """
 import math
 
@@ -9,22 +11,55 @@ import torch
 
 def causal_mask(seqlen_q, seqlen_k, device=None):
     """Boolean (seqlen_q, seqlen_k) mask, True where query i may see key j (bottom-right aligned)."""
+    return window_mask(seqlen_q, seqlen_k, (-1, 0), device=device)
+
+
+def window_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=None):
+    """Boolean (seqlen_q, seqlen_k) mask, True where query i sees key j:
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, a side being unbounded
+    when it is -1; causal=True clamps right to 0."""
+    left, right = window_size
+    if causal:
+        right = 0
     rows = torch.arange(seqlen_q, device=device)[:, None]
     cols = torch.arange(seqlen_k, device=device)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+    diagonal = rows + (seqlen_k - seqlen_q)
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        mask &= cols >= diagonal - left
+    if right >= 0:
+        mask &= cols <= diagonal + right
+    return mask
 
 
-def attention_ref(q, k, v, *, causal=False, softmax_scale=None, upcast=True):
+def alibi_bias(alibi_slopes, seqlen_q, seqlen_k):
+    """-slope·|i + seqlen_k - seqlen_q - j| as (batch or 1, heads, seqlen_q, seqlen_k), in the slopes' dtype."""
+    slopes = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes[None]
+    rows = torch.arange(seqlen_q, device=slopes.device)[:, None]
+    cols = torch.arange(seqlen_k, device=slopes.device)[None, :]
+    distance = (rows + (seqlen_k - seqlen_q) - cols).abs().to(slopes.dtype)
+    return -slopes[:, :, None, None] * distance
+
+
+def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                  alibi_slopes=None, dropout_p=0.0, dropout_mask=None, upcast=True):
     """Returns (out, lse) like flash_ext.attention(..., return_lse=True).
+
+    Scores: s = softmax_scale·q·k, then softcap·tanh(s / softcap) when softcap > 0, then the ALiBi
+    bias, then the causal / window mask. lse is of these scores. Dropout needs the keep mask
+    (bool (batch, heads_q, seqlen_q, seqlen_k), True = kept; flash_ext.testing.dropout_keep_mask gives
+    the one a flash_ext call used): kept probabilities are scaled by 1 / (1 - dropout_p).
 
     upcast=True computes in float64 (the reference the kernels are measured against);
     upcast=False computes in the inputs' dtype, the error budget the tolerance rule scales.
-    out has q's dtype in both cases when upcast=False, float64 when upcast=True.
+    out has q's dtype when upcast=False, float64 when upcast=True.
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
+    if dropout_p > 0 and dropout_mask is None:
+        raise ValueError("attention_ref: dropout_p > 0 needs dropout_mask (the reference draws no random numbers)")
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
     group = heads_q // heads_kv
@@ -32,11 +67,46 @@ def attention_ref(q, k, v, *, causal=False, softmax_scale=None, upcast=True):
     v = v.repeat_interleave(group, dim=2)
 
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
-    if causal:
-        scores = scores.masked_fill(~causal_mask(seqlen_q, seqlen_k, q.device), float("-inf"))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes.to(scores.dtype), seqlen_q, seqlen_k)
+    if causal or tuple(window_size) != (-1, -1):
+        visible = window_mask(seqlen_q, seqlen_k, window_size, causal, q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores.float() if not upcast else scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
     # Rows that see no key: softmax gives NaN; flash_ext defines their output as 0.
     probs = torch.nan_to_num(probs, nan=0.0)
+    if dropout_mask is not None:
+        probs = probs.masked_fill(~dropout_mask.to(probs.device), 0.0) / (1 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse.float() if not upcast else lse
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_mask=None, **kwargs):
+    """Returns (out, lse) like flash_ext.attention_varlen(..., return_lse=True): attention_ref on each
+    sequence, out (total_q, heads_q, head_dim), lse (heads_q, total_q). dropout_mask is
+    (batch, heads_q, max_seqlen_q, max_seqlen_k), sequence b using its top-left corner; a
+    (batch, heads_q) alibi_slopes gives row b to sequence b. Other keyword arguments are attention_ref's.
+    Differentiable with respect to q, k and v."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cu_q) - 1):
+        q_b = q[cu_q[b]:cu_q[b + 1]][None]
+        k_b = k[cu_k[b]:cu_k[b + 1]][None]
+        v_b = v[cu_k[b]:cu_k[b + 1]][None]
+        slopes_b = None
+        if alibi_slopes is not None:
+            slopes_b = alibi_slopes[b:b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
+        mask_b = None
+        if dropout_mask is not None:
+            mask_b = dropout_mask[b:b + 1, :, :q_b.shape[1], :k_b.shape[1]]
+        out_b, lse_b = attention_ref(q_b, k_b, v_b, alibi_slopes=slopes_b, dropout_mask=mask_b, **kwargs)
+        outs.append(out_b[0])
+        lses.append(lse_b[0])
+    if not outs:  # batch 0: no sequence, so no rows either
+        upcast = kwargs.get("upcast", True)
+        return (q.new_zeros(q.shape, dtype=torch.float64 if upcast else q.dtype),
+                q.new_zeros((q.shape[1], 0), dtype=torch.float64 if upcast else torch.float32))
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)

@@ -38,3 +38,18 @@ def make_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, devi
     k = make_tensor(batch, seqlen_k, heads_kv, head_dim, dtype, device, layout)
     v = make_tensor(batch, seqlen_k, heads_kv, head_dim, dtype, device, layout)
     return q, k, v
+
+
+def cu_seqlens(lengths, device="cpu"):
+    """int32 prefix sums [0, l0, l0 + l1, ...] of the sequence lengths."""
+    return torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def make_varlen_qkv(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, device="cpu"):
+    """Packed q: (sum(lengths_q), heads_q, head_dim); k, v: (sum(lengths_k), heads_kv, head_dim); and
+    cu_seqlens_q, cu_seqlens_k."""
+    options = dict(dtype=dtype, device=device)
+    q = torch.randn(sum(lengths_q), heads_q, head_dim, **options)
+    k = torch.randn(sum(lengths_k), heads_kv, head_dim, **options)
+    v = torch.randn(sum(lengths_k), heads_kv, head_dim, **options)
+    return q, k, v, cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)

@@ -1,0 +1,109 @@
+// Counter-based random numbers for dropout: Philox4x32-10 (Salmon et al., "Parallel random
+// numbers: as easy as 1, 2, 3", SC'11), and the mapping from an attention-probability element to
+// its random word.
+//
+// Why counter-based: the backward must drop exactly the elements the forward dropped, without
+// storing an N x N mask. With Philox the random word of an element is a pure function of
+// (seed, offset, batch, head, row, column), so any thread on any device can regenerate it in any
+// order. The CPU path (csrc/cpu) and the CUDA kernels call the functions below, so they drop the
+// same elements for the same seed and offset.
+//
+// Mapping (one Philox call = 4 random words = 4 consecutive columns of one row):
+//
+//   stream  = offset + batch * heads_q + head                  (uint64, wraps)
+//   key     = (seed & 0xffffffff,  seed >> 32)
+//   counter = (column / 4,  row,  stream & 0xffffffff,  stream >> 32)
+//   word i of philox4x32_10(counter, key) decides column 4 * (column / 4) + i
+//   the element is dropped  iff  word < drop_threshold,  drop_threshold = floor(dropout_p * 2^32)
+//
+// row and column are positions inside the element's own sequence (for variable-length batches,
+// `batch` is the index of the sequence), so the decision does not depend on the other sequences'
+// lengths nor on the tile sizes. Distinct (stream, row, column / 4) give distinct counters while
+// row < 2^32 and column < 2^34.
+//
+// Where seed and offset come from (torch's default generator of the tensors' device, so that
+// torch.manual_seed reproduces a run):
+//   CPU   the CPU generator (mt19937) has no Philox offset: each call draws a fresh 64-bit seed
+//         from it (holding its mutex) and uses offset 0.
+//   CUDA  (to come) at::CUDAGeneratorImpl::philox_cuda_state(increment) under the generator's
+//         mutex, with increment = batch * heads_q rounded up to a multiple of 4: each call then
+//         owns the streams [offset, offset + batch * heads_q), and the next call's offset starts
+//         after them. Under CUDA-graph capture the seed and offset are only known on the device
+//         (at::cuda::philox::unpack), so the kernel, not the host, writes them to the rng_state
+//         output the backward reads.
+#pragma once
+
+#include <cstdint>
+
+#include "host_device.h"
+
+namespace flash_ext {
+
+struct PhiloxWords {
+  uint32_t w[4];
+};
+
+namespace philox_detail {
+
+// Multipliers and Weyl key increments of Philox4x32 (Random123's constants).
+constexpr uint32_t kMul0 = 0xD2511F53u;
+constexpr uint32_t kMul1 = 0xCD9E8D57u;
+constexpr uint32_t kKeyStep0 = 0x9E3779B9u;  // golden ratio
+constexpr uint32_t kKeyStep1 = 0xBB67AE85u;  // sqrt(3) - 1
+
+FLASH_EXT_HOST_DEVICE inline uint32_t mul_hi(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+#endif
+}
+
+}  // namespace philox_detail
+
+// Philox4x32 with 10 rounds: a bijection of the 128-bit counter, keyed by 64 bits.
+FLASH_EXT_HOST_DEVICE inline PhiloxWords philox4x32_10(PhiloxWords counter, uint32_t key0, uint32_t key1) {
+  using namespace philox_detail;
+  uint32_t* c = counter.w;
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      key0 += kKeyStep0;
+      key1 += kKeyStep1;
+    }
+    const uint32_t lo0 = kMul0 * c[0], hi0 = mul_hi(kMul0, c[0]);
+    const uint32_t lo1 = kMul1 * c[2], hi1 = mul_hi(kMul1, c[2]);
+    const PhiloxWords next = {{hi1 ^ c[1] ^ key0, lo1, hi0 ^ c[3] ^ key1, lo0}};
+    counter = next;
+  }
+  return counter;
+}
+
+// The 4 random words of columns 4 * column_group .. 4 * column_group + 3 of `row` of one
+// (batch, head): see the mapping at the top of this file.
+FLASH_EXT_HOST_DEVICE inline PhiloxWords dropout_random_words(uint64_t seed, uint64_t offset, uint64_t batch_head,
+                                                              uint64_t row, uint64_t column_group) {
+  const uint64_t stream = offset + batch_head;
+  const PhiloxWords counter = {{static_cast<uint32_t>(column_group), static_cast<uint32_t>(row),
+                                static_cast<uint32_t>(stream), static_cast<uint32_t>(stream >> 32)}};
+  return philox4x32_10(counter, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// A random word below the threshold drops its element. floor(p * 2^32) makes the drop probability
+// p to within 2^-32. Host-side (double precision); p must be in [0, 1).
+inline uint32_t dropout_drop_threshold(double dropout_p) {
+  return static_cast<uint32_t>(dropout_p * 4294967296.0);
+}
+
+FLASH_EXT_HOST_DEVICE inline bool dropout_keeps(uint32_t random_word, uint32_t drop_threshold) {
+  return random_word >= drop_threshold;
+}
+
+// Whether element (row, column) of (batch, head) is kept: one element at a time. Kernels and the
+// CPU loops call dropout_random_words once per 4 columns instead.
+FLASH_EXT_HOST_DEVICE inline bool dropout_keeps_element(uint64_t seed, uint64_t offset, uint32_t drop_threshold,
+                                                        uint64_t batch_head, uint64_t row, uint64_t column) {
+  const PhiloxWords words = dropout_random_words(seed, offset, batch_head, row, column / 4);
+  return dropout_keeps(words.w[column % 4], drop_threshold);
+}
+
+}  // namespace flash_ext
