@@ -533,21 +533,19 @@ at::Tensor dropout_keep_mask_cpu(const at::Tensor& rng_state, int64_t batch, int
 int64_t padded_head_dim(int64_t head_dim) { return std::max<int64_t>(32, (head_dim + 31) / 32 * 32); }
 
 at::Tensor pad_head_dim(const at::Tensor& t, int64_t head_dim_padded) {
-  if (t.size(3) == head_dim_padded) return t;
-  return at::constant_pad_nd(t, {0, head_dim_padded - t.size(3)}, 0);
+  if (t.size(-1) == head_dim_padded) return t;
+  return at::constant_pad_nd(t, {0, head_dim_padded - t.size(-1)}, 0);
 }
 
-// The CUDA kernels compute plain (optionally causal) attention so far. Anything else must fail
-// loudly rather than silently compute something different.
+at::Tensor unpad_head_dim(const at::Tensor& t, int64_t head_dim) {
+  return t.size(-1) == head_dim ? t : t.narrow(-1, 0, head_dim).contiguous();
+}
+
+// Dropout is the one option the CUDA kernels lack so far; it must fail loudly rather than
+// silently compute something different.
 void check_cuda_supports(const AttentionOptions& o) {
-  const char* todo = " is not supported by the CUDA kernels yet; run on the CPU, or leave it off on CUDA";
-  const int64_t right = effective_window_right(o);
-  TORCH_CHECK(o.window_left == -1 && (right == -1 || right == 0), "flash_ext: a sliding window (window_size=(",
-              o.window_left, ", ", o.window_right, ")", o.causal ? " with causal=True" : "", ")", todo,
-              " (window_size=(-1, -1), optionally with causal=True)");
-  TORCH_CHECK(o.softcap == 0, "flash_ext: softcap (", o.softcap, ")", todo, " (softcap=0)");
-  TORCH_CHECK(!o.alibi_slopes.has_value(), "flash_ext: ALiBi (alibi_slopes)", todo, " (alibi_slopes=None)");
-  TORCH_CHECK(o.dropout_p == 0, "flash_ext: dropout (dropout_p=", o.dropout_p, ")", todo, " (dropout_p=0)");
+  TORCH_CHECK(o.dropout_p == 0, "flash_ext: dropout (dropout_p=", o.dropout_p,
+              ") is not supported by the CUDA kernels yet; run on the CPU, or leave it off on CUDA (dropout_p=0)");
 }
 
 void check_sm80(const at::Tensor& q) {
@@ -558,59 +556,67 @@ void check_sm80(const at::Tensor& q) {
               q.device(), " is ", major, ".", minor);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                        const at::Tensor& v_in, double softmax_scale, bool causal,
-                                                        bool /*deterministic*/, int64_t window_left,
-                                                        int64_t window_right, double softcap,
-                                                        const std::optional<at::Tensor>& alibi_slopes,
-                                                        double dropout_p) {
-  check_qkv(q_in, k_in, v_in);
-  const AttentionOptions options{softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p};
-  check_options(options, q_in, q_in.size(0));
+// cu_seqlens of a varlen call (nullptr tensors for a dense call).
+struct VarlenArgs {
+  const at::Tensor* cu_seqlens_q = nullptr;
+  const at::Tensor* cu_seqlens_k = nullptr;
+  int64_t max_seqlen_q = 0;
+  int64_t max_seqlen_k = 0;
+  bool is_varlen() const { return cu_seqlens_q != nullptr; }
+};
+
+// The forward on CUDA, dense (q (batch, seqlen_q, heads_q, d)) or varlen (q (total_q, heads_q, d)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda_impl(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                             const at::Tensor& v_in, const AttentionOptions& options,
+                                                             const VarlenArgs& varlen) {
   check_cuda_supports(options);
-  causal = effective_window_right(options) == 0;  // window_size=(-1, 0) is causal too
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_sm80(q_in);
 
-  const int64_t head_dim = q_in.size(3);
+  const int64_t head_dim = q_in.size(-1);
   const int64_t head_dim_padded = padded_head_dim(head_dim);
   const at::Tensor q = usable_layout(pad_head_dim(q_in, head_dim_padded));
   const at::Tensor k = usable_layout(pad_head_dim(k_in, head_dim_padded));
   const at::Tensor v = usable_layout(pad_head_dim(v_in, head_dim_padded));
+  const std::optional<at::Tensor> alibi_slopes = usable_alibi_slopes(options.alibi_slopes);
 
   at::Tensor out_padded = at::empty(q.sizes(), q.options());
-  at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  // lse: (batch, heads_q, seqlen_q) dense, (heads_q, total_q) varlen.
+  at::Tensor lse = varlen.is_varlen() ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
+                                      : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
   const at::Tensor rng_state = rng_state_tensor(RngState{}, q);  // no dropout on CUDA yet
   auto result = [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
-    if (head_dim == head_dim_padded) return {out_padded, lse, rng_state};
-    return {out_padded.narrow(3, 0, head_dim).contiguous(), lse, rng_state};
+    return {unpad_head_dim(out_padded, head_dim), lse, rng_state};
   };
   if (out_padded.numel() == 0) return result();
-  if (k.size(1) == 0) {  // no keys at all: every row is empty
+  if (k.numel() == 0) {  // no keys at all: every row is empty
     out_padded.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
     return result();
   }
 
-  FwdParams p = make_fwd_params(q, k, v, out_padded, lse, softmax_scale, causal);
+  FwdParams p = varlen.is_varlen()
+                    ? make_varlen_fwd_params(q, k, v, out_padded, lse, *varlen.cu_seqlens_q, *varlen.cu_seqlens_k,
+                                             varlen.max_seqlen_q, varlen.max_seqlen_k)
+                    : make_fwd_params(q, k, v, out_padded, lse, options.softmax_scale, options.causal);
+  set_options(p, options, alibi_slopes, RngState{});
+  p.head_dim = static_cast<int>(head_dim_padded);
+  if (p.seqlen_q == 0) return result();  // varlen with every sequence empty of queries
   sm80::run_attention_fwd_dispatch(p, c10::cuda::getCurrentCUDAStream().stream());
   return result();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse, double softmax_scale, bool causal, bool deterministic,
-    int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-    double dropout_p, const std::optional<at::Tensor>& /*rng_state*/) {
-  check_bwd_inputs(dout_in, q_in, k_in, v_in, out_in, lse, softmax_scale);
-  const AttentionOptions options{softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p};
-  check_options(options, q_in, q_in.size(0));
+// The backward on CUDA, dense or varlen (shapes as in fwd_cuda_impl).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                             const at::Tensor& k_in, const at::Tensor& v_in,
+                                                             const at::Tensor& out_in, const at::Tensor& lse,
+                                                             const AttentionOptions& options, bool deterministic,
+                                                             const VarlenArgs& varlen) {
   check_cuda_supports(options);
-  causal = effective_window_right(options) == 0;  // window_size=(-1, 0) is causal too
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_sm80(q_in);
 
-  const int64_t head_dim = q_in.size(3);
+  const int64_t head_dim = q_in.size(-1);
   const int64_t head_dim_padded = padded_head_dim(head_dim);
   const at::Tensor q = usable_layout(pad_head_dim(q_in, head_dim_padded));
   const at::Tensor k = usable_layout(pad_head_dim(k_in, head_dim_padded));
@@ -618,14 +624,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const at::Tensor out = usable_layout(pad_head_dim(out_in, head_dim_padded));
   const at::Tensor dout = usable_layout(pad_head_dim(dout_in, head_dim_padded));
   const at::Tensor lse_c = lse.contiguous();
+  const std::optional<at::Tensor> alibi_slopes = usable_alibi_slopes(options.alibi_slopes);
 
+  // Every row is written by the kernels (keys that no query sees get dk = dv = 0 there).
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
   auto result = [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
-    if (head_dim == head_dim_padded) return {dq, dk, dv};
-    return {dq.narrow(3, 0, head_dim).contiguous(), dk.narrow(3, 0, head_dim).contiguous(),
-            dv.narrow(3, 0, head_dim).contiguous()};
+    return {unpad_head_dim(dq, head_dim), unpad_head_dim(dk, head_dim), unpad_head_dim(dv, head_dim)};
   };
   if (q.numel() == 0 || k.numel() == 0) {  // no query or no key: the gradients are exactly zero
     dq.zero_();
@@ -633,49 +639,76 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     dv.zero_();
     return result();
   }
-  // Scratch, O(seqlen): D = rowsum(dout * out) per query row (fp32), and unless deterministic
-  // the fp32 dQ accumulator that the dK/dV kernel adds into with atomics (zeroed here).
-  at::Tensor softmax_d = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  // Scratch, O(seqlen): D = rowsum(dout * out) per query row (fp32, lse's layout), and unless
+  // deterministic the fp32 dQ accumulator (q's layout) that the dK/dV kernel adds into with atomics.
+  at::Tensor softmax_d = at::empty(lse_c.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dq_accum;
   if (!deterministic) dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
 
-  BwdParams p = make_bwd_params(dout, q, k, v, out, lse_c, dq, dk, dv, softmax_scale, causal, deterministic);
+  const FwdParams fwd = varlen.is_varlen()
+                            ? make_varlen_fwd_params(q, k, v, out, lse_c, *varlen.cu_seqlens_q, *varlen.cu_seqlens_k,
+                                                     varlen.max_seqlen_q, varlen.max_seqlen_k)
+                            : make_fwd_params(q, k, v, out, lse_c, options.softmax_scale, options.causal);
+  BwdParams p = bwd_params_from(fwd, dout, dq, dk, dv, deterministic);
+  set_options(p, options, alibi_slopes, RngState{});
+  p.head_dim = static_cast<int>(head_dim_padded);
   p.softmax_d = softmax_d.data_ptr<float>();
   if (!deterministic) p.dq_accum = dq_accum.data_ptr<float>();
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) return result();
   sm80::run_attention_bwd_dispatch(p, c10::cuda::getCurrentCUDAStream().stream());
   return result();
 }
 
-// Variable-length batches have no CUDA kernels yet. The checks that need no device-to-host copy
-// run first, so a bad argument is reported as such.
-[[noreturn]] void varlen_not_supported_on_cuda() {
-  TORCH_CHECK(false,
-              "flash_ext: variable-length batches (attention_varlen) are not supported by the CUDA kernels yet; run "
-              "on the CPU, or pad the sequences to a dense batch for flash_ext.attention");
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                        double softmax_scale, bool causal, bool /*deterministic*/,
+                                                        int64_t window_left, int64_t window_right, double softcap,
+                                                        const std::optional<at::Tensor>& alibi_slopes,
+                                                        double dropout_p) {
+  check_qkv(q, k, v);
+  const AttentionOptions options{softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p};
+  check_options(options, q, q.size(0));
+  return fwd_cuda_impl(q, k, v, options, VarlenArgs{});
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double softmax_scale, bool causal, bool deterministic, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+    const std::optional<at::Tensor>& /*rng_state*/) {
+  check_bwd_inputs(dout, q, k, v, out, lse, softmax_scale);
+  const AttentionOptions options{softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p};
+  check_options(options, q, q.size(0));
+  return bwd_cuda_impl(dout, q, k, v, out, lse, options, deterministic, VarlenArgs{});
+}
+
+// cu_seqlens' values are not read on the host here (that would wait for the stream): their
+// monotonicity, first and last values and max_seqlen_* bounds are the caller's contract on CUDA
+// (checked on the CPU path). The kernels read them on the device.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal,
     bool /*deterministic*/, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, double dropout_p) {
   check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  check_options({softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p}, q,
-                varlen_batch(cu_seqlens_q));
-  varlen_not_supported_on_cuda();
+  const AttentionOptions options{softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p};
+  check_options(options, q, varlen_batch(cu_seqlens_q));
+  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  return fwd_cuda_impl(q, k, v, options, VarlenArgs{&cu_q, &cu_k, max_seqlen_q, max_seqlen_k});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, double softmax_scale, bool causal, bool /*deterministic*/, int64_t window_left,
+    int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const std::optional<at::Tensor>& /*rng_state*/) {
   check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_bwd_tensors(dout, q, out, lse, {q.size(1), q.size(0)}, "(heads_q, total_q)");
-  check_options({softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p}, q,
-                varlen_batch(cu_seqlens_q));
-  varlen_not_supported_on_cuda();
+  const AttentionOptions options{softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p};
+  check_options(options, q, varlen_batch(cu_seqlens_q));
+  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  return bwd_cuda_impl(dout, q, k, v, out, lse, options, deterministic,
+                       VarlenArgs{&cu_q, &cu_k, max_seqlen_q, max_seqlen_k});
 }
 
 #endif  // FLASH_EXT_WITH_CUDA

@@ -20,7 +20,9 @@
 
 #include <cstdint>
 
+#include "../common/band_mask.cuh"
 #include "../common/ptx.cuh"
+#include "../common/score_mod.cuh"
 #include "../common/tile_copy.cuh"
 #include "../common/warp_gemm.cuh"
 #include "../params.h"
@@ -30,16 +32,20 @@ namespace flash_ext::sm80 {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// D[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d] in fp32: one warp per query row.
+// D = sum_d dout * out per query row, in fp32: one warp per (row, head). Rows are numbered
+// through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length batch is one
+// packed "batch" of total_q rows (its batch strides are 0).
 template <int kHeadDim, typename Element>
-__global__ void __launch_bounds__(256) attention_bwd_preprocess_kernel(const __grid_constant__ BwdParams params) {
+__global__ void __launch_bounds__(256)
+    attention_bwd_preprocess_kernel(const __grid_constant__ BwdParams params, const int64_t rows_per_batch,
+                                    const int64_t num_rows) {
   constexpr int kElementsPerLoad = 16 / sizeof(Element);
   const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // head fastest
   const int lane = threadIdx.x % 32;
-  if (row_id >= static_cast<int64_t>(params.batch) * params.seqlen_q * params.heads_q) return;
+  if (row_id >= num_rows * params.heads_q) return;
   const int head = row_id % params.heads_q;
-  const int row = row_id / params.heads_q % params.seqlen_q;
-  const int batch = row_id / params.heads_q / params.seqlen_q;
+  const int64_t row = row_id / params.heads_q % rows_per_batch;
+  const int64_t batch = row_id / params.heads_q / rows_per_batch;
   const Element* dout = static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
                         row * params.dout_strides.row + head * params.dout_strides.head;
   const Element* out = static_cast<const Element*>(params.out) + batch * params.out_strides.batch +
@@ -55,14 +61,15 @@ __global__ void __launch_bounds__(256) attention_bwd_preprocess_kernel(const __g
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) params.softmax_d[(static_cast<int64_t>(batch) * params.heads_q + head) * params.seqlen_q + row] = sum;
+  if (lane == 0) params.softmax_d[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = sum;
 }
 
 // Which gradients one launch of the dK/dV kernel produces (head dims > 128 use two launches).
 enum class KvGrads { kBoth, kOnlyDv, kOnlyDk };
 
 // num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (dkdv_stages).
-template <typename Tile, KvGrads kGrads, typename Element>
+// kScoreMod: softcap or ALiBi is on (common/score_mod.cuh).
+template <typename Tile, KvGrads kGrads, typename Element, bool kScoreMod>
 __global__ void __launch_bounds__(Tile::kThreads)
     attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params, const int num_stages) {
   constexpr int kHeadDim = Tile::kHeadDim;
@@ -90,36 +97,43 @@ __global__ void __launch_bounds__(Tile::kThreads)
   const int key_block = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
+  const int len_q = static_cast<int>(params.query_span(batch).length);
+  const int len_k = static_cast<int>(params.key_span(batch).length);
   const int first_key = key_block * kBlockKeys;
-  const int valid_keys = min(kBlockKeys, params.seqlen_k - first_key);
-  const int causal_offset = params.seqlen_k - params.seqlen_q;
+  if (first_key >= len_k) return;  // variable-length batch: past this sequence's keys
+  const int valid_keys = min(kBlockKeys, len_k - first_key);
+  const BandMask band(params, len_q, len_k);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int warp_first_key = warp * 16;  // within the block
 
-  // The CTA walks (query head of the GQA group, query block) pairs. Causal: query i sees key j iff
-  // j <= i + causal_offset, so no query before first_key - causal_offset sees this block.
-  const int first_query_block = params.causal ? max(0, first_key - causal_offset) / kBlockQueries : 0;
-  const int num_query_blocks = (params.seqlen_q + kBlockQueries - 1) / kBlockQueries;
+  // The CTA walks (query head of the GQA group, query block) pairs, over the query blocks holding
+  // a row that sees a key of this block (causal / window band).
+  const int row_begin = min(len_q, band.first_row_seeing(first_key));
+  const int64_t rows_seeing_end = band.end_row_seeing(first_key + valid_keys);
+  const int row_end = rows_seeing_end < len_q ? static_cast<int>(rows_seeing_end) : len_q;
+  const int first_query_block = row_begin / kBlockQueries;
+  const int num_query_blocks = row_end > row_begin ? (row_end + kBlockQueries - 1) / kBlockQueries : first_query_block;
   const int end_head = (kv_head + 1) * params.heads_per_kv();
 
   // Starts the copies of one query block's Q, dO, lse and D into buffer `stage`, as one group.
   auto load_query_block = [&](int head, int query_block, int stage) {
     const int first_query = query_block * kBlockQueries;
-    const int valid_queries = min(kBlockQueries, params.seqlen_q - first_query);
+    const int valid_queries = min(kBlockQueries, len_q - first_query);
+    const int64_t packed_row = params.query_span(batch).begin + first_query;  // row in the (packed) tensor
     load_tile_async<Tile, kBlockQueries>(smem_q + stage * kQueryTileElements,
                                          static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
-                                             head * params.q_strides.head + first_query * params.q_strides.row,
+                                             head * params.q_strides.head + packed_row * params.q_strides.row,
                                          params.q_strides.row, valid_queries);
     load_tile_async<Tile, kBlockQueries>(
         smem_dout + stage * kQueryTileElements,
         static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
-            head * params.dout_strides.head + first_query * params.dout_strides.row,
+            head * params.dout_strides.head + packed_row * params.dout_strides.row,
         params.dout_strides.row, valid_queries);
     if (threadIdx.x < kBlockQueries) {
       const int i = threadIdx.x;
       const bool valid = i < valid_queries;
-      const int64_t row_index = (static_cast<int64_t>(batch) * params.heads_q + head) * params.seqlen_q + first_query + i;
+      const int64_t row_index = params.lse_index(batch, head, first_query + i);
       cp_async_4(smem_address(smem_lse + stage * kBlockQueries + i), params.lse + (valid ? row_index : 0), valid);
       cp_async_4(smem_address(smem_d + stage * kBlockQueries + i), params.softmax_d + (valid ? row_index : 0), valid);
     }
@@ -127,13 +141,14 @@ __global__ void __launch_bounds__(Tile::kThreads)
   };
 
   // K and V travel in the first query block's copy group.
+  const int64_t first_packed_key = params.key_span(batch).begin + first_key;  // row in the (packed) k and v
   load_tile_async<Tile, kBlockKeys>(smem_k,
                                     static_cast<const Element*>(params.k) + batch * params.k_strides.batch +
-                                        kv_head * params.k_strides.head + first_key * params.k_strides.row,
+                                        kv_head * params.k_strides.head + first_packed_key * params.k_strides.row,
                                     params.k_strides.row, valid_keys);
   load_tile_async<Tile, kBlockKeys>(smem_v,
                                     static_cast<const Element*>(params.v) + batch * params.v_strides.batch +
-                                        kv_head * params.v_strides.head + first_key * params.v_strides.row,
+                                        kv_head * params.v_strides.head + first_packed_key * params.v_strides.row,
                                     params.v_strides.row, valid_keys);
   int head = kv_head * params.heads_per_kv();
   int query_block = first_query_block;
@@ -152,8 +167,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
   const uint32_t dout_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_dout);              // B of V·dOᵀ
   const uint32_t dout_as_b_addr = b_rows_k_lane_address<kPitch>(smem_dout);               // B of Pᵀ·dO
   const uint32_t q_as_b_addr = b_rows_k_lane_address<kPitch>(smem_q);                     // B of dSᵀ·Q
-  // This thread's two key rows are thread_key and thread_key + 8. Zero-filled rows past
-  // seqlen_k must get P = 0, or their dS would reach dQ.
+  // This thread's two key rows are thread_key and thread_key + 8 (of the sequence). Zero-filled
+  // rows past len_k must get P = 0, or their dS would reach dQ.
   const int thread_key = first_key + warp_first_key + lane / 4;
 
   for (int stage = 0; head < end_head;) {
@@ -170,34 +185,47 @@ __global__ void __launch_bounds__(Tile::kThreads)
     if (num_stages == 2 && has_next) load_query_block(next_head, next_query_block, stage ^ 1);
 
     const int first_query = query_block * kBlockQueries;
-    const int valid_queries = min(kBlockQueries, params.seqlen_q - first_query);
+    const int valid_queries = min(kBlockQueries, len_q - first_query);
     const uint32_t stage_offset = stage * kQueryTileElements * sizeof(Element);
     const float* block_lse = smem_lse + stage * kBlockQueries;
     const float* block_d = smem_d + stage * kBlockQueries;
 
     // Pᵀ for the warp's 16 keys x kBlockQueries queries. Masked entries are set to 0 by a select,
     // so the exp2 of a row that sees no key (lse = -inf: every entry of it is masked) is never used.
+    // With score modifiers, P goes to 16-bit fragments (for dV) right away and acc_pt keeps
+    // P · dscore/draw-score (1 - tanh^2 for softcap), the factor dS needs.
     float acc_pt[1][kNTilesQ][4] = {};
+    uint32_t pt_frag[1][kBlockQueries / 16][4];  // Pᵀ as A fragments of dV += Pᵀ·dO
     gemm_smem_abt<Element, 1, kNTilesQ, kHeadDim / 16, kPitch, kPitch>(acc_pt, k_lane_addr, q_as_bt_addr + stage_offset);
+    const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kScoreMod
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      const int key = thread_key + 8 * half;
 #pragma unroll
       for (int nj = 0; nj < kNTilesQ; ++nj) {
+        float prob[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int query_in_block = nj * 8 + 2 * (lane % 4) + e;
-          const int key = thread_key + 8 * half;
-          const bool visible = key < params.seqlen_k && query_in_block < valid_queries &&
-                               (!params.causal || key <= first_query + query_in_block + causal_offset);
+          const int query = first_query + query_in_block;
+          const bool visible = query_in_block < valid_queries && band.sees(query, key);
           float& score = acc_pt[0][nj][2 * half + e];
-          score = visible ? exp2f(fmaf(score, params.scale_log2, -block_lse[query_in_block] * kLog2e)) : 0.f;
+          const float lse_log2 = block_lse[query_in_block] * kLog2e;
+          if constexpr (kScoreMod) {
+            float tanh_value;
+            const float log2_score = mod.log2_score(score, query, key, tanh_value);
+            prob[e] = visible ? exp2f(log2_score - lse_log2) : 0.f;
+            score = prob[e] * (1.f - tanh_value * tanh_value);
+          } else {
+            score = visible ? exp2f(fmaf(score, params.scale_log2, -lse_log2)) : 0.f;
+          }
         }
+        if constexpr (kScoreMod) pt_frag[0][nj / 2][(nj % 2) * 2 + half] = pack_float2<Element>(prob[0], prob[1]);
       }
     }
 
     if constexpr (kDv) {
-      uint32_t pt_frag[1][kBlockQueries / 16][4];
-      accumulator_to_a_fragments<Element>(acc_pt, pt_frag);
+      if constexpr (!kScoreMod) accumulator_to_a_fragments<Element>(acc_pt, pt_frag);
       gemm_rs_ab<Element, 1, kNTilesD, kBlockQueries / 16, kPitch>(acc_dv, pt_frag, dout_as_b_addr + stage_offset);
     }
     if constexpr (kDk) {
@@ -241,10 +269,12 @@ __global__ void __launch_bounds__(Tile::kThreads)
         const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k);  // B of dQ += dS·K
         const uint32_t ds_lane_addr = a_transposed_lane_address<kDsPitch>(smem_dst + dq_first_row);
         const int64_t dq_row_stride = static_cast<int64_t>(params.heads_q) * kHeadDim;
-        float* dq_accum_row = params.dq_accum +
-                              ((static_cast<int64_t>(batch) * params.seqlen_q + first_query + dq_first_row + lane / 4) *
-                                   params.heads_q + head) * kHeadDim +
-                              dq_first_col + 2 * (lane % 4);
+        // dq_accum rows follow q's rows: (batch, seqlen_q) dense, total_q packed.
+        const int64_t accum_row = (params.is_varlen() ? params.query_span(batch).begin
+                                                      : static_cast<int64_t>(batch) * params.seqlen_q) +
+                                  first_query + dq_first_row + lane / 4;
+        float* dq_accum_row =
+            params.dq_accum + (accum_row * params.heads_q + head) * kHeadDim + dq_first_col + 2 * (lane % 4);
 #pragma unroll
         for (int chunk = 0; chunk < kColsPerWarp / kChunkCols; ++chunk) {
           float acc_dq[1][kChunkCols / 8][4] = {};
@@ -283,9 +313,11 @@ __global__ void __launch_bounds__(Tile::kThreads)
   Element* dk = static_cast<Element*>(params.dk) + batch * params.dk_strides.batch + kv_head * params.dk_strides.head;
   Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_strides.batch + kv_head * params.dv_strides.head;
 #pragma unroll
+  const int64_t first_packed_row = params.key_span(batch).begin;
+#pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int64_t key = thread_key + 8 * half;
-    if (key >= params.seqlen_k) continue;
+    if (thread_key + 8 * half >= len_k) continue;
+    const int64_t key = first_packed_row + thread_key + 8 * half;  // row in the (packed) dk and dv
 #pragma unroll
     for (int nd = 0; nd < kNTilesD; ++nd) {
       const int col = nd * 8 + 2 * (lane % 4);
@@ -302,17 +334,20 @@ __global__ void __launch_bounds__(Tile::kThreads)
   }
 }
 
-// dq = softmax_scale · dq_accum, rounded to the input dtype: 8 elements per thread.
+// dq = softmax_scale · dq_accum, rounded to the input dtype: 8 elements per thread. Rows are
+// numbered as in the preprocess kernel.
 template <int kHeadDim, typename Element>
-__global__ void __launch_bounds__(256) attention_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params) {
+__global__ void __launch_bounds__(256)
+    attention_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params, const int64_t rows_per_batch,
+                                    const int64_t num_rows) {
   constexpr int kChunksPerRow = kHeadDim / 8;
   const int64_t chunk_id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row_id = chunk_id / kChunksPerRow;  // (batch, row, head), head fastest, as dq_accum
-  if (row_id >= static_cast<int64_t>(params.batch) * params.seqlen_q * params.heads_q) return;
+  if (row_id >= num_rows * params.heads_q) return;
   const int col = chunk_id % kChunksPerRow * 8;
   const int head = row_id % params.heads_q;
-  const int64_t row = row_id / params.heads_q % params.seqlen_q;
-  const int64_t batch = row_id / params.heads_q / params.seqlen_q;
+  const int64_t row = row_id / params.heads_q % rows_per_batch;
+  const int64_t batch = row_id / params.heads_q / rows_per_batch;
   const float4* src = reinterpret_cast<const float4*>(params.dq_accum + row_id * kHeadDim + col);
   const float4 lo = src[0], hi = src[1];
   const float s = params.softmax_scale;
@@ -323,7 +358,7 @@ __global__ void __launch_bounds__(256) attention_bwd_convert_dq_kernel(const __g
   *reinterpret_cast<uint4*>(dq) = packed;
 }
 
-template <typename Tile, typename Element>
+template <typename Tile, typename Element, bool kScoreMod>
 __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const __grid_constant__ BwdParams params) {
   constexpr int kHeadDim = Tile::kHeadDim;
   constexpr int kPitch = Tile::kSmemRowPitch;
@@ -342,20 +377,25 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int kv_head = head / params.heads_per_kv();
+  const int len_q = static_cast<int>(params.query_span(batch).length);
+  const int len_k = static_cast<int>(params.key_span(batch).length);
   const int first_query = query_block * kBlockQueries;
-  const int valid_queries = min(kBlockQueries, params.seqlen_q - first_query);
-  const int causal_offset = params.seqlen_k - params.seqlen_q;
+  if (first_query >= len_q) return;  // variable-length batch: past this sequence's end
+  const int valid_queries = min(kBlockQueries, len_q - first_query);
+  const BandMask band(params, len_q, len_k);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int64_t first_packed_query = params.query_span(batch).begin + first_query;  // row in the (packed) q
 
   load_tile_async<Tile, kBlockQueries>(smem_q,
                                        static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
-                                           head * params.q_strides.head + first_query * params.q_strides.row,
+                                           head * params.q_strides.head + first_packed_query * params.q_strides.row,
                                        params.q_strides.row, valid_queries);
-  load_tile_async<Tile, kBlockQueries>(smem_dout,
-                                       static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
-                                           head * params.dout_strides.head + first_query * params.dout_strides.row,
-                                       params.dout_strides.row, valid_queries);
+  load_tile_async<Tile, kBlockQueries>(
+      smem_dout,
+      static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch + head * params.dout_strides.head +
+          first_packed_query * params.dout_strides.row,
+      params.dout_strides.row, valid_queries);
   cp_async_commit();
 
   // This thread's two rows: lse (as a base-2 exponent) and D.
@@ -363,17 +403,19 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row_in_block = warp * 16 + lane / 4 + 8 * half;
-    const int64_t row_index =
-        (static_cast<int64_t>(batch) * params.heads_q + head) * params.seqlen_q + first_query + row_in_block;
     const bool valid = row_in_block < valid_queries;
+    const int64_t row_index = params.lse_index(batch, head, valid ? first_query + row_in_block : 0);
     const float lse = valid ? params.lse[row_index] : -INFINITY;
     row_lse_log2[half] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // P = 0 for rows that saw no key
     row_d[half] = valid ? params.softmax_d[row_index] : 0.f;
   }
 
-  int key_end = params.seqlen_k;
-  if (params.causal) key_end = min(key_end, first_query + kBlockQueries + causal_offset);
-  const int num_key_blocks = key_end > 0 ? (key_end + kBlockKeys - 1) / kBlockKeys : 0;
+  // Keys some row of the block sees: the first row's band start to the last row's band end.
+  const int key_begin = band.begin(first_query);
+  const int key_end = band.end(first_query + valid_queries - 1);
+  const int first_key_block = key_begin / kBlockKeys;
+  const int num_key_blocks = key_end > key_begin ? (key_end + kBlockKeys - 1) / kBlockKeys : 0;
+  const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kScoreMod
 
   float acc_dq[1][kNTilesD][4] = {};
   const uint32_t q_lane_addr = a_lane_address<kPitch>(smem_q + warp * 16 * kPitch);        // A of S = Q·Kᵀ
@@ -382,17 +424,18 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
   const uint32_t v_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_v);
   const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k);  // B of dQ += dS·K
 
-  for (int key_block = 0; key_block < num_key_blocks; ++key_block) {
+  for (int key_block = first_key_block; key_block < num_key_blocks; ++key_block) {
     const int first_key = key_block * kBlockKeys;
+    const int64_t first_packed_key = params.key_span(batch).begin + first_key;
     __syncthreads();  // every warp is done with the previous K and V
     load_tile_async<Tile, kBlockKeys>(smem_k,
                                       static_cast<const Element*>(params.k) + batch * params.k_strides.batch +
-                                          kv_head * params.k_strides.head + first_key * params.k_strides.row,
-                                      params.k_strides.row, params.seqlen_k - first_key);
+                                          kv_head * params.k_strides.head + first_packed_key * params.k_strides.row,
+                                      params.k_strides.row, len_k - first_key);
     load_tile_async<Tile, kBlockKeys>(smem_v,
                                       static_cast<const Element*>(params.v) + batch * params.v_strides.batch +
-                                          kv_head * params.v_strides.head + first_key * params.v_strides.row,
-                                      params.v_strides.row, params.seqlen_k - first_key);
+                                          kv_head * params.v_strides.head + first_packed_key * params.v_strides.row,
+                                      params.v_strides.row, len_k - first_key);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -404,15 +447,23 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = first_query + warp * 16 + lane / 4 + 8 * half;
-      const int key_limit = params.causal ? min(params.seqlen_k, row + causal_offset + 1) : params.seqlen_k;
 #pragma unroll
       for (int nj = 0; nj < kNTilesK; ++nj) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = first_key + nj * 8 + 2 * (lane % 4) + e;
           const int r = 2 * half + e;
-          const float prob = key < key_limit ? exp2f(fmaf(acc_s[0][nj][r], params.scale_log2, -row_lse_log2[half])) : 0.f;
-          acc_ds[0][nj][r] = prob * (acc_ds[0][nj][r] - row_d[half]);
+          const bool visible = band.sees(row, key);
+          float prob, grad_factor = 1.f;  // grad_factor: d(modified score) / d(scaled score)
+          if constexpr (kScoreMod) {
+            float tanh_value;
+            const float log2_score = mod.log2_score(acc_s[0][nj][r], row, key, tanh_value);
+            prob = visible ? exp2f(log2_score - row_lse_log2[half]) : 0.f;
+            grad_factor = 1.f - tanh_value * tanh_value;
+          } else {
+            prob = visible ? exp2f(fmaf(acc_s[0][nj][r], params.scale_log2, -row_lse_log2[half])) : 0.f;
+          }
+          acc_ds[0][nj][r] = prob * (acc_ds[0][nj][r] - row_d[half]) * grad_factor;
         }
       }
     }
@@ -426,7 +477,7 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
   for (int half = 0; half < 2; ++half) {
     const int row_in_block = warp * 16 + lane / 4 + 8 * half;
     if (row_in_block >= valid_queries) continue;
-    const int64_t row = first_query + row_in_block;
+    const int64_t row = params.query_span(batch).begin + first_query + row_in_block;  // row in the (packed) dq
 #pragma unroll
     for (int nd = 0; nd < kNTilesD; ++nd) {
       *reinterpret_cast<uint32_t*>(dq + row * params.dq_strides.row + nd * 8 + 2 * (lane % 4)) =

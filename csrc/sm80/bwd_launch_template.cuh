@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <type_traits>
 
 #include "bwd_kernels.cuh"
 #include "launch_common.cuh"
@@ -38,10 +39,17 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   using Element = ElementOf<kElem>;
   check_grid_limits(params, "backward");
 
-  // 1. D = rowsum(dO ∘ O): one warp per query row, 8 rows per block.
-  const int64_t num_rows = static_cast<int64_t>(params.batch) * params.seqlen_q * params.heads_q;
+  // Softcap and ALiBi change every score: separate instantiations, as in the forward.
+  const bool score_mod = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  // The preprocess and convert kernels number rows through the batch; a variable-length batch is
+  // one packed batch of total_q (= lse_head_stride) rows.
+  const int64_t rows_per_batch = params.is_varlen() ? params.lse_head_stride : params.seqlen_q;
+  const int64_t num_rows = params.is_varlen() ? params.lse_head_stride : int64_t{params.batch} * params.seqlen_q;
+
+  // 1. D = rowsum(dO ∘ O): one warp per (query row, head), 8 per block.
+  const int64_t num_warps = num_rows * params.heads_q;
   attention_bwd_preprocess_kernel<kHeadDim, Element>
-      <<<static_cast<unsigned>((num_rows + 7) / 8), 256, 0, stream>>>(params);
+      <<<static_cast<unsigned>((num_warps + 7) / 8), 256, 0, stream>>>(params, rows_per_batch, num_rows);
   throw_on_cuda_error(cudaGetLastError(), "launching the backward preprocess kernel");
 
   // 2. dK and dV (in two launches above head_dim 128; see BwdDkDvTile), and with params.dq_accum
@@ -54,21 +62,30 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
     kernel<<<grid, Tile::kThreads, smem_bytes, stream>>>(params, num_stages);
     throw_on_cuda_error(cudaGetLastError(), "launching the dK/dV kernel");
   };
-  if constexpr (Tile::kSplitDkDv) {
-    launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kOnlyDv, Element>);
-    launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kOnlyDk, Element>);
+  auto launch_dkdv_grads = [&](auto score_mod_flag) {
+    constexpr bool kScoreMod = decltype(score_mod_flag)::value;
+    if constexpr (Tile::kSplitDkDv) {
+      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kOnlyDv, Element, kScoreMod>);
+      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kOnlyDk, Element, kScoreMod>);
+    } else {
+      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kBoth, Element, kScoreMod>);
+    }
+  };
+  if (score_mod) {
+    launch_dkdv_grads(std::true_type{});
   } else {
-    launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kBoth, Element>);
+    launch_dkdv_grads(std::false_type{});
   }
 
   // 3. dQ: rounded from the atomic sums, or computed by the deterministic dQ kernel.
   if (params.dq_accum != nullptr) {
-    const int64_t num_chunks = num_rows * (kHeadDim / 8);
+    const int64_t num_chunks = num_rows * params.heads_q * (kHeadDim / 8);
     attention_bwd_convert_dq_kernel<kHeadDim, Element>
-        <<<static_cast<unsigned>((num_chunks + 255) / 256), 256, 0, stream>>>(params);
+        <<<static_cast<unsigned>((num_chunks + 255) / 256), 256, 0, stream>>>(params, rows_per_batch, num_rows);
     throw_on_cuda_error(cudaGetLastError(), "launching the dQ conversion kernel");
   } else {
-    const auto dq_kernel = attention_bwd_dq_kernel<DqTile, Element>;
+    const auto dq_kernel = score_mod ? attention_bwd_dq_kernel<DqTile, Element, true>
+                                     : attention_bwd_dq_kernel<DqTile, Element, false>;
     set_smem_limit(dq_kernel, DqTile::kSmemBytes, "the dQ kernel");
     const dim3 grid((params.seqlen_q + DqTile::kBlockQueries - 1) / DqTile::kBlockQueries, params.heads_q, params.batch);
     dq_kernel<<<grid, DqTile::kThreads, DqTile::kSmemBytes, stream>>>(params);

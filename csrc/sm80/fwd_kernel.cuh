@@ -6,15 +6,21 @@
 // loads during O += P·V[n]). Scores and probabilities live in registers: P is converted to
 // 16 bits in place and used directly as the A operand of the P·V mma.
 //
-// Key blocks are visited from the last to the first, so the blocks that need an element-wise
-// mask (the ragged end of the keys, and for causal the blocks crossing the diagonal) come
-// first and the rest of the loop runs unmasked.
+// Key blocks are visited from the last to the first, so for causal the blocks that need an
+// element-wise mask (the ragged end of the keys, the blocks crossing the diagonal) come first.
+// Only the key blocks inside the row block's band (causal / sliding window) are visited.
+//
+// Variable-length batches: blockIdx.z is the sequence; its rows start at cu_seqlens (params.h's
+// query_span / key_span), and row blocks past its end exit at once. Softcap and ALiBi change each
+// score (common/score_mod.cuh); kScoreMod compiles that in, so plain attention does not pay for it.
 #pragma once
 
 #include <cstdint>
 
+#include "../common/band_mask.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/ptx.cuh"
+#include "../common/score_mod.cuh"
 #include "../common/tile_copy.cuh"
 #include "../common/warp_gemm.cuh"
 #include "../params.h"
@@ -22,31 +28,54 @@
 
 namespace flash_ext::sm80 {
 
-// Sets to -inf the scores of keys past the end of the sequence and, if causal, of keys in
-// the future of their query (bottom-right aligned: row i sees keys j <= i + causal_offset).
+// Sets to -inf the scores of keys outside their row's band (past the end of the sequence, or
+// outside the causal / sliding window).
 template <int kMTiles, int kNTilesS>
 __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
-                                            int seqlen_k, bool causal, int causal_offset) {
+                                            const BandMask& band) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = first_row + mi * 16 + lane / 4 + 8 * half;
-      const int key_limit = causal ? min(seqlen_k, row + causal_offset + 1) : seqlen_k;
+      const int key_begin = band.begin(row), key_end = band.end(row);
 #pragma unroll
       for (int nj = 0; nj < kNTilesS; ++nj) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = first_key + nj * 8 + 2 * (lane % 4) + e;
-          if (key >= key_limit) acc_s[mi][nj][2 * half + e] = -INFINITY;
+          if (key < key_begin || key >= key_end) acc_s[mi][nj][2 * half + e] = -INFINITY;
         }
       }
     }
   }
 }
 
-template <typename Config, typename Element>
+// Replaces raw q.k scores by their log2-domain modified scores (softcap, ALiBi).
+template <int kMTiles, int kNTilesS>
+__device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
+                                              const ScoreMod& mod) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = first_row + mi * 16 + lane / 4 + 8 * half;
+#pragma unroll
+      for (int nj = 0; nj < kNTilesS; ++nj) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float unused_tanh;
+          float& score = acc_s[mi][nj][2 * half + e];
+          score = mod.log2_score(score, row, first_key + nj * 8 + 2 * (lane % 4) + e, unused_tanh);
+        }
+      }
+    }
+  }
+}
+
+template <typename Config, typename Element, bool kScoreMod>
 __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const __grid_constant__ FwdParams params) {
   constexpr int kHeadDim = Config::kHeadDim;
   constexpr int kBlockM = Config::kBlockM;
@@ -67,36 +96,40 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int kv_head = head / params.heads_per_kv();
+  const SequenceSpan q_span = params.query_span(batch);
+  const SequenceSpan k_span = params.key_span(batch);
+  const int len_q = static_cast<int>(q_span.length);
+  const int len_k = static_cast<int>(k_span.length);
   const int first_row = m_block * kBlockM;
-  const int valid_rows = min(kBlockM, params.seqlen_q - first_row);
-  const int causal_offset = params.seqlen_k - params.seqlen_q;
+  if (first_row >= len_q) return;  // variable-length batch: past this sequence's end
+  const int valid_rows = min(kBlockM, len_q - first_row);
+  const BandMask band(params, len_q, len_k);
 
   const Element* q = static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
-                     head * params.q_strides.head + first_row * params.q_strides.row;
+                     head * params.q_strides.head + (q_span.begin + first_row) * params.q_strides.row;
   // K/V tile pointers are recomputed per tile from params (constant memory) rather than kept
   // in registers across the loop.
   auto k_tile = [&](int block) {
     return static_cast<const Element*>(params.k) + batch * params.k_strides.batch + kv_head * params.k_strides.head +
-           block * kBlockN * params.k_strides.row;
+           (params.key_span(batch).begin + block * kBlockN) * params.k_strides.row;
   };
   auto v_tile = [&](int block) {
     return static_cast<const Element*>(params.v) + batch * params.v_strides.batch + kv_head * params.v_strides.head +
-           block * kBlockN * params.v_strides.row;
+           (params.key_span(batch).begin + block * kBlockN) * params.v_strides.row;
   };
   // Output pointers are formed where they are used: kept live across the main loop they cost
   // registers that hd128 does not have.
   auto out_block = [&] {
     return static_cast<Element*>(params.out) + batch * params.out_strides.batch + head * params.out_strides.head +
-           first_row * params.out_strides.row;
+           (params.query_span(batch).begin + first_row) * params.out_strides.row;
   };
-  auto lse_block = [&] {
-    return params.lse + (static_cast<int64_t>(batch) * params.heads_q + head) * params.seqlen_q + first_row;
-  };
+  auto lse_block = [&] { return params.lse + params.lse_index(batch, head, first_row); };
 
-  // Keys this block can see: all of them, or for causal up to the last row's diagonal.
-  int key_end = params.seqlen_k;
-  if (params.causal) key_end = min(key_end, first_row + kBlockM + causal_offset);
-  const int num_key_blocks = key_end > 0 ? (key_end + kBlockN - 1) / kBlockN : 0;
+  // Keys some row of this block sees: from the first row's band start to the last row's band end.
+  const int key_begin = band.begin(first_row);
+  const int key_end = band.end(first_row + valid_rows - 1);
+  const int first_key_block = key_begin / kBlockN;
+  const int num_key_blocks = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN : 0;
 
   if (num_key_blocks == 0) {  // every row of the block sees no key: output 0, lse -inf
     Element* out = out_block();
@@ -115,8 +148,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
 
   load_tile_async<Config, kBlockM>(smem_q, q, params.q_strides.row, valid_rows);
   int key_block = num_key_blocks - 1;
-  load_tile_async<Config, kBlockN>(smem_k, k_tile(key_block), params.k_strides.row,
-                                   params.seqlen_k - key_block * kBlockN);
+  load_tile_async<Config, kBlockN>(smem_k, k_tile(key_block), params.k_strides.row, len_k - key_block * kBlockN);
   cp_async_commit();
 
   float acc_o[kMTiles][kNTilesO][4] = {};
@@ -130,19 +162,21 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
     // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
     cp_async_wait<0>();
     __syncthreads();
-    load_tile_async<Config, kBlockN>(smem_v, v_tile(key_block), params.v_strides.row,
-                                     params.seqlen_k - key_block * kBlockN);
+    load_tile_async<Config, kBlockN>(smem_v, v_tile(key_block), params.v_strides.row, len_k - key_block * kBlockN);
     cp_async_commit();
 
     // S = Q · Kᵀ for this warp's rows.
     float acc_s[kMTiles][kNTilesS][4] = {};
     gemm_smem_abt<Element, kMTiles, kNTilesS, kHeadDim / 16, kPitch, kPitch>(acc_s, q_lane_addr, k_lane_addr);
 
-    if constexpr (decltype(needs_mask)::value) {
-      mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, params.seqlen_k, params.causal,
-                  causal_offset);
+    if constexpr (kScoreMod) {
+      modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, ScoreMod(params, batch, head, len_q, len_k));
     }
-    softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.scale_log2);
+    if constexpr (decltype(needs_mask)::value) {
+      mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+    }
+    // Modified scores are already in log2 units.
+    softmax.template update<decltype(is_first)::value>(acc_s, acc_o, kScoreMod ? 1.f : params.scale_log2);
 
     uint32_t p_frag[kMTiles][kBlockN / 16][4];  // P in 16 bits, as A fragments of P · V
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
@@ -150,9 +184,9 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
     // V[key_block] has landed; every warp is done reading K, so the next K may load.
     cp_async_wait<0>();
     __syncthreads();
-    if (key_block > 0) {
-      load_tile_async<Config, kBlockN>(smem_k, k_tile(key_block - 1),
-                                       params.k_strides.row, params.seqlen_k - (key_block - 1) * kBlockN);
+    if (key_block > first_key_block) {
+      load_tile_async<Config, kBlockN>(smem_k, k_tile(key_block - 1), params.k_strides.row,
+                                       len_k - (key_block - 1) * kBlockN);
     }
     cp_async_commit();
 
@@ -160,11 +194,13 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
     gemm_rs_ab<Element, kMTiles, kNTilesO, kBlockN / 16, kPitch>(acc_o, p_frag, v_lane_addr);
   };
 
-  // A block needs the element-wise mask if it reaches past the keys or, for causal, past the
-  // diagonal of the block's first row. Visiting blocks last-to-first, those come first.
+  // A block needs the element-wise mask unless every row of the block sees all of its keys: it
+  // must end within the keys and within the first row's band end, and start at or after the
+  // last row's band start.
+  const int last_row = first_row + valid_rows - 1;
   auto block_needs_mask = [&](int block) {
-    const int block_end = (block + 1) * kBlockN;
-    return block_end > params.seqlen_k || (params.causal && block_end - 1 > first_row + causal_offset);
+    const int block_begin = block * kBlockN, block_end = block_begin + kBlockN;
+    return block_end > band.end(first_row) || block_begin < band.begin(last_row);
   };
   using True = std::true_type;
   using False = std::false_type;
@@ -173,11 +209,18 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
   } else {
     process_key_block(True{}, False{});
   }
-  for (--key_block; key_block >= 0 && block_needs_mask(key_block); --key_block) process_key_block(False{}, True{});
-  for (; key_block >= 0; --key_block) process_key_block(False{}, False{});
+  for (--key_block; key_block >= first_key_block; --key_block) {
+    if (block_needs_mask(key_block)) {
+      process_key_block(False{}, True{});
+    } else {
+      process_key_block(False{}, False{});
+    }
+  }
 
   float row_lse[2 * kMTiles];
-  softmax.finalize(acc_o, params.softmax_scale, row_lse);
+  // lse in natural units: the softmax's row max is in raw-score units (times softmax_scale), or
+  // for modified scores in log2 units (times ln 2).
+  softmax.finalize(acc_o, kScoreMod ? 0.6931471805599453f : params.softmax_scale, row_lse);
 
   // Epilogue: the warp writes its rows of O (16-bit) into its own rows of the Q tile (no other
   // warp reads them), then the CTA copies the tile out in 16-byte rows.
