@@ -13,6 +13,7 @@
 
 #include "common/philox.h"
 #include "cpu/attention_cpu.h"
+#include "error_message.h"
 #include "params.h"
 
 #ifdef FLASH_EXT_WITH_CUDA
@@ -36,43 +37,43 @@ namespace {
 void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const auto dtype = q.scalar_type();
   const bool is_cuda = q.is_cuda();
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || (dtype == at::kFloat && !is_cuda),
+  FLASH_EXT_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || (dtype == at::kFloat && !is_cuda),
               "flash_ext: q has dtype ", dtype, "; expected float16 or bfloat16",
               is_cuda ? " on CUDA" : " (or float32 on the CPU)");
-  TORCH_CHECK(k.scalar_type() == dtype, "flash_ext: k has dtype ", k.scalar_type(),
+  FLASH_EXT_CHECK(k.scalar_type() == dtype, "flash_ext: k has dtype ", k.scalar_type(),
               " but q has ", dtype, "; q, k and v must share one dtype");
-  TORCH_CHECK(v.scalar_type() == dtype, "flash_ext: v has dtype ", v.scalar_type(),
+  FLASH_EXT_CHECK(v.scalar_type() == dtype, "flash_ext: v has dtype ", v.scalar_type(),
               " but q has ", dtype, "; q, k and v must share one dtype");
-  TORCH_CHECK(k.device() == q.device(), "flash_ext: k is on ", k.device(), " but q is on ", q.device(),
+  FLASH_EXT_CHECK(k.device() == q.device(), "flash_ext: k is on ", k.device(), " but q is on ", q.device(),
               "; q, k and v must be on one device");
-  TORCH_CHECK(v.device() == q.device(), "flash_ext: v is on ", v.device(), " but q is on ", q.device(),
+  FLASH_EXT_CHECK(v.device() == q.device(), "flash_ext: v is on ", v.device(), " but q is on ", q.device(),
               "; q, k and v must be on one device");
 
-  TORCH_CHECK(k.sizes() == v.sizes(), "flash_ext: k and v must have the same shape, got k ", k.sizes(),
+  FLASH_EXT_CHECK(k.sizes() == v.sizes(), "flash_ext: k and v must have the same shape, got k ", k.sizes(),
               " and v ", v.sizes());
-  TORCH_CHECK(k.size(-1) == q.size(-1), "flash_ext: k has head_dim ", k.size(-1), " but q has head_dim ",
+  FLASH_EXT_CHECK(k.size(-1) == q.size(-1), "flash_ext: k has head_dim ", k.size(-1), " but q has head_dim ",
               q.size(-1), "; q, k and v must share head_dim");
   const int64_t head_dim = q.size(-1);
-  TORCH_CHECK(head_dim >= 1 && head_dim <= 256, "flash_ext: head_dim (last dimension of q) must be in 1..256, got ",
+  FLASH_EXT_CHECK(head_dim >= 1 && head_dim <= 256, "flash_ext: head_dim (last dimension of q) must be in 1..256, got ",
               head_dim);
   const int64_t heads_q = q.size(-2), heads_kv = k.size(-2);
-  TORCH_CHECK(heads_kv >= 1 && heads_q % heads_kv == 0, "flash_ext: heads_q (q.size(", q.dim() - 2, ") = ", heads_q,
+  FLASH_EXT_CHECK(heads_kv >= 1 && heads_q % heads_kv == 0, "flash_ext: heads_q (q.size(", q.dim() - 2, ") = ", heads_q,
               ") must be a multiple of heads_kv (k.size(", k.dim() - 2, ") = ", heads_kv, ")");
 }
 
 // Dense batch: q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim).
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4, "flash_ext: q must have 4 dimensions (batch, seqlen_q, heads_q, head_dim), got ",
+  FLASH_EXT_CHECK(q.dim() == 4, "flash_ext: q must have 4 dimensions (batch, seqlen_q, heads_q, head_dim), got ",
               q.dim(), " (shape ", q.sizes(), ")");
-  TORCH_CHECK(k.dim() == 4, "flash_ext: k must have 4 dimensions (batch, seqlen_k, heads_kv, head_dim), got ",
+  FLASH_EXT_CHECK(k.dim() == 4, "flash_ext: k must have 4 dimensions (batch, seqlen_k, heads_kv, head_dim), got ",
               k.dim(), " (shape ", k.sizes(), ")");
-  TORCH_CHECK(v.dim() == 4, "flash_ext: v must have 4 dimensions (batch, seqlen_k, heads_kv, head_dim), got ",
+  FLASH_EXT_CHECK(v.dim() == 4, "flash_ext: v must have 4 dimensions (batch, seqlen_k, heads_kv, head_dim), got ",
               v.dim(), " (shape ", v.sizes(), ")");
   check_qkv_common(q, k, v);
-  TORCH_CHECK(k.size(0) == q.size(0), "flash_ext: k has batch ", k.size(0), " but q has batch ", q.size(0));
+  FLASH_EXT_CHECK(k.size(0) == q.size(0), "flash_ext: k has batch ", k.size(0), " but q has batch ", q.size(0));
   const int64_t heads_q = q.size(2);
   if (q.is_cuda()) {
-    TORCH_CHECK(q.size(0) * std::max<int64_t>(1, heads_q) <= std::numeric_limits<int32_t>::max() &&
+    FLASH_EXT_CHECK(q.size(0) * std::max<int64_t>(1, heads_q) <= std::numeric_limits<int32_t>::max() &&
                     q.size(1) <= std::numeric_limits<int32_t>::max() && k.size(1) <= std::numeric_limits<int32_t>::max(),
                 "flash_ext: batch * heads and seqlens must each fit in int32");
   }
@@ -80,14 +81,14 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 
 // Variable-length batch: q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim).
 void check_qkv_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 3, "flash_ext: q must have 3 dimensions (total_q, heads_q, head_dim) for attention_varlen, got ",
+  FLASH_EXT_CHECK(q.dim() == 3, "flash_ext: q must have 3 dimensions (total_q, heads_q, head_dim) for attention_varlen, got ",
               q.dim(), " (shape ", q.sizes(), ")");
-  TORCH_CHECK(k.dim() == 3, "flash_ext: k must have 3 dimensions (total_k, heads_kv, head_dim) for attention_varlen, got ",
+  FLASH_EXT_CHECK(k.dim() == 3, "flash_ext: k must have 3 dimensions (total_k, heads_kv, head_dim) for attention_varlen, got ",
               k.dim(), " (shape ", k.sizes(), ")");
-  TORCH_CHECK(v.dim() == 3, "flash_ext: v must have 3 dimensions (total_k, heads_kv, head_dim) for attention_varlen, got ",
+  FLASH_EXT_CHECK(v.dim() == 3, "flash_ext: v must have 3 dimensions (total_k, heads_kv, head_dim) for attention_varlen, got ",
               v.dim(), " (shape ", v.sizes(), ")");
   check_qkv_common(q, k, v);
-  TORCH_CHECK(q.size(0) <= std::numeric_limits<int32_t>::max() && k.size(0) <= std::numeric_limits<int32_t>::max(),
+  FLASH_EXT_CHECK(q.size(0) <= std::numeric_limits<int32_t>::max() && k.size(0) <= std::numeric_limits<int32_t>::max(),
               "flash_ext: total_q and total_k must fit in int32 (cu_seqlens are int32), got ", q.size(0), " and ",
               k.size(0));
 }
@@ -95,13 +96,13 @@ void check_qkv_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // cu_seqlens_q / cu_seqlens_k: what can be checked without reading the values (no device-to-host
 // copy): int32, 1-D, batch + 1 entries, on q's device.
 void check_cu_seqlens(const at::Tensor& cu_seqlens, const char* name, int64_t batch, const at::Tensor& q) {
-  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt, "flash_ext: ", name, " must be int32, got ",
+  FLASH_EXT_CHECK(cu_seqlens.scalar_type() == at::kInt, "flash_ext: ", name, " must be int32, got ",
               cu_seqlens.scalar_type());
-  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, "flash_ext: ", name,
+  FLASH_EXT_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, "flash_ext: ", name,
               " must be 1-D with batch + 1 entries, got shape ", cu_seqlens.sizes());
-  TORCH_CHECK(cu_seqlens.size(0) == batch + 1, "flash_ext: ", name, " has ", cu_seqlens.size(0),
+  FLASH_EXT_CHECK(cu_seqlens.size(0) == batch + 1, "flash_ext: ", name, " has ", cu_seqlens.size(0),
               " entries but cu_seqlens_q has ", batch + 1, "; both must have batch + 1 entries");
-  TORCH_CHECK(cu_seqlens.device() == q.device(), "flash_ext: ", name, " is on ", cu_seqlens.device(),
+  FLASH_EXT_CHECK(cu_seqlens.device() == q.device(), "flash_ext: ", name, " is on ", cu_seqlens.device(),
               " but q is on ", q.device());
 }
 
@@ -114,20 +115,20 @@ void check_cu_seqlens_values(const at::Tensor& cu_seqlens, const char* name, int
   const at::Tensor cu = cu_seqlens.contiguous();
   const int32_t* values = cu.data_ptr<int32_t>();
   const int64_t batch = cu.numel() - 1;
-  TORCH_CHECK(values[0] == 0, "flash_ext: ", name, "[0] must be 0, got ", values[0]);
+  FLASH_EXT_CHECK(values[0] == 0, "flash_ext: ", name, "[0] must be 0, got ", values[0]);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t length = static_cast<int64_t>(values[b + 1]) - values[b];
-    TORCH_CHECK(length >= 0, "flash_ext: ", name, " must be non-decreasing, but ", name, "[", b + 1, "] = ",
+    FLASH_EXT_CHECK(length >= 0, "flash_ext: ", name, " must be non-decreasing, but ", name, "[", b + 1, "] = ",
                 values[b + 1], " < ", name, "[", b, "] = ", values[b]);
-    TORCH_CHECK(length <= max_seqlen, "flash_ext: sequence ", b, " has length ", length, " (from ", name,
+    FLASH_EXT_CHECK(length <= max_seqlen, "flash_ext: sequence ", b, " has length ", length, " (from ", name,
                 ") but ", max_name, " is ", max_seqlen, "; ", max_name, " must be at least the longest sequence");
   }
-  TORCH_CHECK(values[batch] == total, "flash_ext: ", name, "[-1] must equal ", total_name, " = ", total, ", got ",
+  FLASH_EXT_CHECK(values[batch] == total, "flash_ext: ", name, "[-1] must equal ", total_name, " = ", total, ", got ",
               values[batch]);
 }
 
 void check_softmax_scale(double softmax_scale) {
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
+  FLASH_EXT_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
               "flash_ext: softmax_scale must be a finite positive number, got ", softmax_scale);
 }
 
@@ -147,25 +148,25 @@ struct AttentionOptions {
 void check_options(const AttentionOptions& o, const at::Tensor& q, int64_t batch) {
   check_softmax_scale(o.softmax_scale);
   const int64_t int_max = std::numeric_limits<int>::max();
-  TORCH_CHECK(o.window_left >= -1 && o.window_left <= int_max,
+  FLASH_EXT_CHECK(o.window_left >= -1 && o.window_left <= int_max,
               "flash_ext: window_size[0] (keys left of the diagonal) must be -1 (unbounded) or >= 0, got ",
               o.window_left);
-  TORCH_CHECK(o.window_right >= -1 && o.window_right <= int_max,
+  FLASH_EXT_CHECK(o.window_right >= -1 && o.window_right <= int_max,
               "flash_ext: window_size[1] (keys right of the diagonal) must be -1 (unbounded) or >= 0, got ",
               o.window_right);
-  TORCH_CHECK(std::isfinite(o.softcap) && o.softcap >= 0,
+  FLASH_EXT_CHECK(std::isfinite(o.softcap) && o.softcap >= 0,
               "flash_ext: softcap must be 0 (off) or a finite positive number, got ", o.softcap);
-  TORCH_CHECK(o.dropout_p >= 0 && o.dropout_p < 1, "flash_ext: dropout_p must be in [0, 1), got ", o.dropout_p);
+  FLASH_EXT_CHECK(o.dropout_p >= 0 && o.dropout_p < 1, "flash_ext: dropout_p must be in [0, 1), got ", o.dropout_p);
   if (o.alibi_slopes.has_value()) {
     const at::Tensor& slopes = *o.alibi_slopes;
     const int64_t heads_q = q.size(-2);
-    TORCH_CHECK(slopes.scalar_type() == at::kFloat, "flash_ext: alibi_slopes must be float32, got ",
+    FLASH_EXT_CHECK(slopes.scalar_type() == at::kFloat, "flash_ext: alibi_slopes must be float32, got ",
                 slopes.scalar_type());
-    TORCH_CHECK(slopes.device() == q.device(), "flash_ext: alibi_slopes is on ", slopes.device(), " but q is on ",
+    FLASH_EXT_CHECK(slopes.device() == q.device(), "flash_ext: alibi_slopes is on ", slopes.device(), " but q is on ",
                 q.device());
     const bool per_head = slopes.dim() == 1 && slopes.size(0) == heads_q;
     const bool per_batch_and_head = slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == heads_q;
-    TORCH_CHECK(per_head || per_batch_and_head, "flash_ext: alibi_slopes must have shape (heads_q,) = (", heads_q,
+    FLASH_EXT_CHECK(per_head || per_batch_and_head, "flash_ext: alibi_slopes must have shape (heads_q,) = (", heads_q,
                 ",) or (batch, heads_q) = (", batch, ", ", heads_q, "), got ", slopes.sizes());
   }
 }
@@ -178,7 +179,7 @@ DType to_dtype(at::ScalarType t) {
     case at::kFloat: return DType::kFloat32;
     case at::kHalf: return DType::kFloat16;
     case at::kBFloat16: return DType::kBFloat16;
-    default: TORCH_CHECK(false, "flash_ext: unsupported dtype ", t);
+    default: FLASH_EXT_CHECK(false, "flash_ext: unsupported dtype ", t);
   }
 }
 
@@ -213,7 +214,7 @@ struct RngState {
 // A fresh (seed, offset) from torch's default generator of `device`, so that torch.manual_seed
 // reproduces a run. See common/philox.h for how the CUDA path will take them.
 RngState draw_rng_state(const at::Device& device) {
-  TORCH_CHECK(device.is_cpu(), "flash_ext: dropout on ", device, " is not supported");
+  FLASH_EXT_CHECK(device.is_cpu(), "flash_ext: dropout on ", device, " is not supported");
   auto* generator = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
   std::lock_guard<std::mutex> lock(generator->mutex_);
   // The CPU generator (mt19937) has no Philox offset of its own: a fresh seed per call, offset 0.
@@ -224,7 +225,7 @@ RngState draw_rng_state(const at::Device& device) {
 // zeros when dropout is off.
 at::Tensor rng_state_tensor(const RngState& rng, const at::Tensor& q) {
   if (!q.is_cpu()) {
-    TORCH_CHECK(rng.seed == 0 && rng.offset == 0, "flash_ext: internal error: dropout state off the CPU");
+    FLASH_EXT_CHECK(rng.seed == 0 && rng.offset == 0, "flash_ext: internal error: dropout state off the CPU");
     return at::zeros({2}, q.options().dtype(at::kLong));
   }
   at::Tensor state = at::empty({2}, q.options().dtype(at::kLong));
@@ -236,7 +237,7 @@ at::Tensor rng_state_tensor(const RngState& rng, const at::Tensor& q) {
 // An rng_state tensor back to (seed, offset). (A device tensor is copied to the host: a sync, but
 // only where dropout is on; the CUDA kernels will read it on the device instead.)
 RngState rng_state_values(const at::Tensor& rng_state) {
-  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
+  FLASH_EXT_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
               "flash_ext: rng_state must be int64 [seed, offset] (2 elements), got ", rng_state.scalar_type(),
               " of shape ", rng_state.sizes());
   const at::Tensor state = rng_state.cpu().contiguous();
@@ -246,7 +247,7 @@ RngState rng_state_values(const at::Tensor& rng_state) {
 // The backward's rng_state argument; required when dropout is on, ignored otherwise.
 RngState read_rng_state(const std::optional<at::Tensor>& rng_state, double dropout_p) {
   if (dropout_p == 0) return {};
-  TORCH_CHECK(rng_state.has_value(),
+  FLASH_EXT_CHECK(rng_state.has_value(),
               "flash_ext: the backward with dropout_p > 0 needs rng_state, the forward's third output");
   return rng_state_values(*rng_state);
 }
@@ -336,13 +337,13 @@ FwdParams make_varlen_fwd_params(const at::Tensor& q, const at::Tensor& k, const
 // dout and out like q; lse float32 of `lse_shape` (named `lse_layout` in the message).
 void check_bwd_tensors(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
                        at::IntArrayRef lse_shape, const char* lse_layout) {
-  TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type() && dout.device() == q.device(),
+  FLASH_EXT_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type() && dout.device() == q.device(),
               "flash_ext: dout must match q in shape, dtype and device, got ", dout.sizes(), " ", dout.scalar_type(),
               " on ", dout.device());
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.device() == q.device(),
+  FLASH_EXT_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.device() == q.device(),
               "flash_ext: out must match q in shape, dtype and device, got ", out.sizes(), " ", out.scalar_type(),
               " on ", out.device());
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.device() == q.device() && lse.sizes() == lse_shape,
+  FLASH_EXT_CHECK(lse.scalar_type() == at::kFloat && lse.device() == q.device() && lse.sizes() == lse_shape,
               "flash_ext: lse must be float32 of shape ", lse_layout, " on q's device, got ", lse.sizes(),
               " ", lse.scalar_type(), " on ", lse.device());
 }
@@ -380,7 +381,7 @@ BwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at:
 
 // The number of sequences, from cu_seqlens_q's size.
 int64_t varlen_batch(const at::Tensor& cu_seqlens_q) {
-  TORCH_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) >= 1,
+  FLASH_EXT_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) >= 1,
               "flash_ext: cu_seqlens_q must be 1-D with batch + 1 entries, got shape ", cu_seqlens_q.sizes());
   return cu_seqlens_q.size(0) - 1;
 }
@@ -393,9 +394,9 @@ void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
   check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", batch, q);
   check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q);
   const int64_t int_max = std::numeric_limits<int32_t>::max();
-  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_q <= int_max, "flash_ext: max_seqlen_q must be in 0..2^31-1, got ",
+  FLASH_EXT_CHECK(max_seqlen_q >= 0 && max_seqlen_q <= int_max, "flash_ext: max_seqlen_q must be in 0..2^31-1, got ",
               max_seqlen_q);
-  TORCH_CHECK(max_seqlen_k >= 0 && max_seqlen_k <= int_max, "flash_ext: max_seqlen_k must be in 0..2^31-1, got ",
+  FLASH_EXT_CHECK(max_seqlen_k >= 0 && max_seqlen_k <= int_max, "flash_ext: max_seqlen_k must be in 0..2^31-1, got ",
               max_seqlen_k);
 }
 
@@ -511,10 +512,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
 // kept) that a forward with this rng_state and dropout_p applies, from the same Philox function.
 at::Tensor dropout_keep_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t heads, int64_t seqlen_q,
                                  int64_t seqlen_k, double dropout_p) {
-  TORCH_CHECK(batch >= 0 && heads >= 0 && seqlen_q >= 0 && seqlen_k >= 0,
+  FLASH_EXT_CHECK(batch >= 0 && heads >= 0 && seqlen_q >= 0 && seqlen_k >= 0,
               "flash_ext: dropout_keep_mask sizes must be >= 0, got ", batch, ", ", heads, ", ", seqlen_q, ", ",
               seqlen_k);
-  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "flash_ext: dropout_p must be in [0, 1), got ", dropout_p);
+  FLASH_EXT_CHECK(dropout_p >= 0 && dropout_p < 1, "flash_ext: dropout_p must be in [0, 1), got ", dropout_p);
   const RngState rng = rng_state_values(rng_state);
   at::Tensor mask = at::empty({batch, heads, seqlen_q, seqlen_k}, rng_state.options().dtype(at::kBool));
   static_assert(sizeof(bool) == sizeof(uint8_t));
@@ -544,7 +545,7 @@ at::Tensor unpad_head_dim(const at::Tensor& t, int64_t head_dim) {
 // Dropout is the one option the CUDA kernels lack so far; it must fail loudly rather than
 // silently compute something different.
 void check_cuda_supports(const AttentionOptions& o) {
-  TORCH_CHECK(o.dropout_p == 0, "flash_ext: dropout (dropout_p=", o.dropout_p,
+  FLASH_EXT_CHECK(o.dropout_p == 0, "flash_ext: dropout (dropout_p=", o.dropout_p,
               ") is not supported by the CUDA kernels yet; run on the CPU, or leave it off on CUDA (dropout_p=0)");
 }
 
@@ -552,7 +553,7 @@ void check_sm80(const at::Tensor& q) {
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.device().index()));
-  TORCH_CHECK(major >= 8, "flash_ext: the CUDA kernels need compute capability 8.0 or newer (Ampere+); device ",
+  FLASH_EXT_CHECK(major >= 8, "flash_ext: the CUDA kernels need compute capability 8.0 or newer (Ampere+); device ",
               q.device(), " is ", major, ".", minor);
 }
 
