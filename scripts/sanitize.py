@@ -37,5 +37,40 @@ for batch, sq, sk, hq, hkv, hd, causal in cases:
             err = (grad.double() - ref_grad).abs().max().item()
             bound = 0.05 * max(1.0, ref_grad.abs().max().item())
             assert err < bound, f"case {(batch, sq, sk, hq, hkv, hd, causal)}, deterministic={deterministic}: {name} error {err}"
+
+# Features: sliding window + softcap + ALiBi on a dense batch, and a variable-length batch with a
+# window (sequences of length 0 and 1 included), forward and backward with both dQ paths.
+from flash_ext.reference import attention_varlen_ref  # noqa: E402
+
+slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
+feature_cases = [
+    dict(dense=True, features=dict(window_size=(40, 8), softcap=30.0, alibi_slopes=slopes)),
+    dict(dense=False, features=dict(window_size=(33, -1))),
+]
+for case in feature_cases:
+    features = case["features"]
+    if case["dense"]:
+        q = torch.randn(2, 150, 4, 64, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 190, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        run = lambda *t, **kw: flash_ext.attention(*t, **kw)  # noqa: E731
+        reference = lambda *t: attention_ref(*t, **features)[0]  # noqa: E731
+    else:
+        lengths_q, lengths_k = [70, 0, 1, 130], [90, 5, 1, 64]
+        cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), device="cuda", dtype=torch.int32)
+        cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), device="cuda", dtype=torch.int32)
+        q = torch.randn(sum(lengths_q), 4, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(sum(lengths_k), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        run = lambda *t, **kw: flash_ext.attention_varlen(*t, cu_q, cu_k, max(lengths_q), max(lengths_k), **kw)  # noqa
+        reference = lambda *t: attention_varlen_ref(*t, cu_q, cu_k, **features)[0]  # noqa: E731
+    dout = torch.randn_like(q)
+    ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_grads = torch.autograd.grad(reference(*ref_inputs), ref_inputs, dout.double())
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    for deterministic in (False, True):
+        out = run(*inputs, deterministic=deterministic, **features)
+        grads = torch.autograd.grad(out, inputs, dout)
+        for name, grad, ref_grad in zip(("dq", "dk", "dv"), grads, ref_grads):
+            err = (grad.double() - ref_grad).abs().max().item()
+            assert err < 0.05 * max(1.0, ref_grad.abs().max().item()), f"{features}: {name} error {err}"
 torch.cuda.synchronize()
-print(f"sanitize: {len(cases)} cases ok (forward, backward with both dQ paths)")
+print(f"sanitize: {len(cases) + len(feature_cases)} cases ok (forward, backward with both dQ paths)")

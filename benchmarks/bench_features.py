@@ -1,0 +1,143 @@
+"""Feature benchmark on CUDA: variable-length batches, sliding windows, softcap and ALiBi, each beside
+the plain kernel it should be measured against (issue targets in parentheses):
+
+  varlen   lengths drawn from 128..4096 summing to 16k tokens, against an equal-length batch of 16k
+           tokens whose seqlen gives about the same work (varlen TFLOP/s >= 95% of it)
+  window   window_size=(1024, 0) at seqlen 16k against causal attention, and (1024, 1024) against
+           full attention (time <= 1.2 x band area / full area x full time)
+  softcap  softcap=30 at hd128, seqlen 8k, against plain (<= 15% slower)
+  alibi    per-head slopes, same shape (<= 15% slower)
+
+bf16, head_dim 128, 16 heads; fwd and bwd (deterministic=False) timed with triton's do_bench median.
+FLOPs count only the visible (query, key) pairs: 4 * heads * head_dim * pairs (bwd 2.5x).
+
+    python benchmarks/bench_features.py [--json PATH]
+"""
+import argparse
+import json
+import random
+
+import torch
+from triton.testing import do_bench
+
+import flash_ext
+
+HEADS, HEAD_DIM, DTYPE = 16, 128, torch.bfloat16
+
+
+def visible_pairs(len_q, len_k, window_left=-1, window_right=-1):
+    """Number of (query, key) pairs inside the band (params.h's visible_keys)."""
+    rows = torch.arange(len_q, dtype=torch.int64)
+    diagonal = rows + len_k - len_q
+    begin = (diagonal - window_left).clamp(0, len_k) if window_left >= 0 else torch.zeros_like(rows)
+    end = (diagonal + window_right + 1).clamp(0, len_k) if window_right >= 0 else torch.full_like(rows, len_k)
+    return int((end - begin).clamp(min=0).sum())
+
+
+def timed(fn, grads=None):
+    return do_bench(fn, warmup=25, rep=100, return_mode="median", grad_to_none=grads)
+
+
+def time_fwd_bwd(call, inputs):
+    """Median ms of the forward (no grad) and of the backward alone (on one retained graph)."""
+    with torch.no_grad():
+        fwd_ms = timed(lambda: call(*inputs))
+    out = call(*inputs)
+    dout = torch.randn_like(out)
+    bwd_ms = timed(lambda: out.backward(dout, retain_graph=True), grads=list(inputs))
+    return fwd_ms, bwd_ms
+
+
+def rows_for(case, label, pairs, fwd_ms, bwd_ms, **extra):
+    flops = 4 * HEADS * HEAD_DIM * pairs
+    rows = []
+    for op, ms, factor in (("fwd", fwd_ms, 1.0), ("bwd", bwd_ms, 2.5)):
+        rows.append(dict(op=op, impl="flash_ext", case=case, label=label, dtype="bf16", head_dim=HEAD_DIM,
+                         heads=HEADS, ms=ms, tflops=factor * flops / ms / 1e9, **extra))
+    print(f"{case:8s} {label:40s} fwd {rows[0]['tflops']:6.1f} TFLOP/s {fwd_ms:8.3f} ms   "
+          f"bwd {rows[1]['tflops']:6.1f} TFLOP/s {bwd_ms:8.3f} ms", flush=True)
+    return rows
+
+
+def dense_inputs(batch, seqlen):
+    return [torch.randn(batch, seqlen, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True)
+            for _ in range(3)]
+
+
+def bench_varlen(causal):
+    rng = random.Random(0)
+    lengths = []
+    while sum(lengths) < 16384 - 128:
+        lengths.append(min(rng.randint(128, 4096), 16384 - sum(lengths)))
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device="cuda", dtype=torch.int32)
+    window_right = 0 if causal else -1
+    pairs = sum(visible_pairs(n, n, -1, window_right) for n in lengths)
+    q, k, v = ([torch.randn(sum(lengths), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True)
+                for _ in range(3)])
+    call = lambda q, k, v: flash_ext.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)  # noqa
+    rows = rows_for("varlen", f"{len(lengths)} seqs 128..4096 causal={causal}", pairs, *time_fwd_bwd(call, (q, k, v)),
+                    causal=causal, lengths=lengths)
+    # Equal lengths, same total tokens, seqlen giving the closest total work.
+    seqlen = min((1024, 2048, 4096, 8192), key=lambda s: abs((16384 // s) * s * s - sum(n * n for n in lengths)))
+    batch = 16384 // seqlen
+    pairs_dense = batch * visible_pairs(seqlen, seqlen, -1, window_right)
+    call = lambda q, k, v: flash_ext.attention(q, k, v, causal=causal)  # noqa: E731
+    rows += rows_for("dense", f"{batch} x {seqlen} causal={causal}", pairs_dense,
+                     *time_fwd_bwd(call, dense_inputs(batch, seqlen)), causal=causal, seqlen=seqlen, batch=batch)
+    return rows
+
+
+def bench_window():
+    rows = []
+    inputs = dense_inputs(1, 16384)
+    for window, causal in (((1024, 0), True), ((1024, 1024), False)):
+        full = lambda q, k, v: flash_ext.attention(q, k, v, causal=causal)  # noqa: E731
+        band = lambda q, k, v: flash_ext.attention(q, k, v, window_size=window)  # noqa: E731
+        full_pairs = visible_pairs(16384, 16384, -1, 0 if causal else -1)
+        band_pairs = visible_pairs(16384, 16384, *window)
+        full_rows = rows_for("dense", f"seqlen 16k causal={causal}", full_pairs, *time_fwd_bwd(full, inputs),
+                             causal=causal, seqlen=16384)
+        band_rows = rows_for("window", f"window {window} seqlen 16k", band_pairs, *time_fwd_bwd(band, inputs),
+                             window=list(window), seqlen=16384)
+        for f, b in zip(full_rows, band_rows):
+            b["time_ratio_to_full"] = b["ms"] / f["ms"]
+            b["area_ratio"] = band_pairs / full_pairs
+            b["target_ratio"] = 1.2 * band_pairs / full_pairs
+            print(f"  {b['op']}: time ratio {b['time_ratio_to_full']:.3f}, target <= {b['target_ratio']:.3f}")
+        rows += full_rows + band_rows
+    return rows
+
+
+def bench_score_mods():
+    rows = []
+    inputs = dense_inputs(2, 8192)
+    pairs = 2 * visible_pairs(8192, 8192)
+    slopes = 2.0 ** (-8.0 * torch.arange(1, HEADS + 1, dtype=torch.float32, device="cuda") / HEADS)
+    variants = (("dense", "plain", {}), ("softcap", "softcap=30", dict(softcap=30.0)),
+                ("alibi", "alibi per-head slopes", dict(alibi_slopes=slopes)))
+    plain = None
+    for case, label, kwargs in variants:
+        call = lambda q, k, v, kwargs=kwargs: flash_ext.attention(q, k, v, **kwargs)  # noqa: E731
+        new = rows_for(case, label + " seqlen 8k", pairs, *time_fwd_bwd(call, inputs), seqlen=8192)
+        if plain is None:
+            plain = new
+        else:
+            for p, r in zip(plain, new):
+                r["slowdown_vs_plain"] = r["ms"] / p["ms"] - 1
+                print(f"  {r['op']}: {100 * r['slowdown_vs_plain']:+.1f}% vs plain (target <= +15%)")
+        rows += new
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    rows = bench_varlen(False) + bench_varlen(True) + bench_window() + bench_score_mods()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
