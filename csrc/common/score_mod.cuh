@@ -1,8 +1,10 @@
-// The score of one (query row, key) pair as the kernels' softmax sees it, in log2 units:
+// The score of one (query row, key) pair with softcap and ALiBi, as the kernels' softmax sees it:
 //   s = softmax_scale * q.k,  s = softcap * tanh(s / softcap) (softcap > 0),
-//   s -= slope * |row + len_k - len_q - key| (ALiBi),  returned as s * log2(e).
-// Plain attention folds all of this into one multiply by scale_log2; kernels take the general
-// form only when softcap or ALiBi is on (a template flag), so the plain path keeps its one FFMA.
+//   s -= slope * |row + len_k - len_q - key| (ALiBi).
+// Kernels keep scores in raw q.k units (the softmax multiplies by softmax_scale * log2(e) in one
+// FFMA), so the modified score is returned as s / softmax_scale: the softmax, the lse and the
+// backward's P = exp2(score * scale_log2 - lse * log2(e)) then need no special case.
+// Plain attention never calls this (kernels take it only under a template flag).
 #pragma once
 
 #include <cmath>
@@ -11,35 +13,42 @@
 
 namespace flash_ext {
 
+// tanh on the MUFU unit (sm75+): max relative error about 2^-11. In s = softcap * tanh(.) that is
+// an absolute error below softcap * 2^-11 in a logit, the size of bf16 rounding of a logit of
+// that magnitude; the forward and the backward use the same function, so P is recomputed exactly.
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 struct ScoreMod {
-  float scale_log2;      // softmax_scale * log2(e) (no softcap)
   float scale_over_cap;  // softmax_scale / softcap
-  float cap_log2;        // softcap * log2(e); 0: no softcap
-  float slope_log2;      // ALiBi slope of this (batch, head) * log2(e); 0: no ALiBi
+  float cap_raw;         // softcap / softmax_scale; 0: no softcap
+  float slope_raw;       // ALiBi slope of this (batch, head) / softmax_scale; 0: no ALiBi
   int diagonal_offset;   // len_k - len_q
 
   __device__ __forceinline__ ScoreMod(const FwdParams& params, int batch, int head, int len_q, int len_k) {
-    constexpr float kLog2e = 1.4426950408889634f;
-    scale_log2 = params.scale_log2;
-    cap_log2 = params.softcap > 0.f ? params.softcap * kLog2e : 0.f;
+    cap_raw = params.softcap > 0.f ? params.softcap / params.softmax_scale : 0.f;
     scale_over_cap = params.softcap > 0.f ? params.softmax_scale / params.softcap : 0.f;
-    slope_log2 = params.alibi_slopes == nullptr ? 0.f : params.alibi_slope(batch, head) * kLog2e;
+    slope_raw = params.alibi_slopes == nullptr ? 0.f : params.alibi_slope(batch, head) / params.softmax_scale;
     diagonal_offset = len_k - len_q;
   }
 
-  // log2-domain score of the raw dot product `raw` at (row, key). `tanh_value` receives
+  // The modified score of raw dot product `raw` at (row, key), in raw units. `tanh_value` receives
   // tanh(s / softcap) (0 without softcap): the backward's chain-rule factor is 1 - tanh^2.
-  __device__ __forceinline__ float log2_score(float raw, int row, int key, float& tanh_value) const {
-    float s;
-    if (cap_log2 != 0.f) {
-      tanh_value = tanhf(raw * scale_over_cap);
-      s = cap_log2 * tanh_value;
-    } else {
-      tanh_value = 0.f;
-      s = raw * scale_log2;
+  // Positions go through float (exact below 2^24): one FADD and one FFMA per element for ALiBi.
+  __device__ __forceinline__ float raw_score(float raw, float row_on_diagonal, float key, float& tanh_value) const {
+    float s = raw;
+    tanh_value = 0.f;
+    if (cap_raw != 0.f) {
+      tanh_value = fast_tanh(raw * scale_over_cap);
+      s = cap_raw * tanh_value;
     }
-    return s - slope_log2 * fabsf(static_cast<float>(row + diagonal_offset - key));
+    return fmaf(-slope_raw, fabsf(row_on_diagonal - key), s);
   }
+  // row + len_k - len_q as a float: the key on the row's diagonal.
+  __device__ __forceinline__ float row_on_diagonal(int row) const { return static_cast<float>(row + diagonal_offset); }
 };
 
 }  // namespace flash_ext

@@ -213,8 +213,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
           const float lse_log2 = block_lse[query_in_block] * kLog2e;
           if constexpr (kScoreMod) {
             float tanh_value;
-            const float log2_score = mod.log2_score(score, query, key, tanh_value);
-            prob[e] = visible ? exp2f(log2_score - lse_log2) : 0.f;
+            const float modified = mod.raw_score(score, mod.row_on_diagonal(query), static_cast<float>(key), tanh_value);
+            prob[e] = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
             score = prob[e] * (1.f - tanh_value * tanh_value);
           } else {
             score = visible ? exp2f(fmaf(score, params.scale_log2, -lse_log2)) : 0.f;
@@ -457,8 +457,9 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
           float prob, grad_factor = 1.f;  // grad_factor: d(modified score) / d(scaled score)
           if constexpr (kScoreMod) {
             float tanh_value;
-            const float log2_score = mod.log2_score(acc_s[0][nj][r], row, key, tanh_value);
-            prob = visible ? exp2f(log2_score - row_lse_log2[half]) : 0.f;
+            const float modified =
+                mod.raw_score(acc_s[0][nj][r], mod.row_on_diagonal(row), static_cast<float>(key), tanh_value);
+            prob = visible ? exp2f(fmaf(modified, params.scale_log2, -row_lse_log2[half])) : 0.f;
             grad_factor = 1.f - tanh_value * tanh_value;
           } else {
             prob = visible ? exp2f(fmaf(acc_s[0][nj][r], params.scale_log2, -row_lse_log2[half])) : 0.f;

@@ -52,23 +52,24 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTilesS][4]
   }
 }
 
-// Replaces raw q.k scores by their log2-domain modified scores (softcap, ALiBi).
+// Replaces raw q.k scores by their modified scores (softcap, ALiBi), still in raw units.
 template <int kMTiles, int kNTilesS>
 __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
                                               const ScoreMod& mod) {
   const int lane = threadIdx.x % 32;
+  const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = first_row + mi * 16 + lane / 4 + 8 * half;
+      const float row_on_diagonal = mod.row_on_diagonal(first_row + mi * 16 + lane / 4 + 8 * half);
 #pragma unroll
       for (int nj = 0; nj < kNTilesS; ++nj) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float unused_tanh;
           float& score = acc_s[mi][nj][2 * half + e];
-          score = mod.log2_score(score, row, first_key + nj * 8 + 2 * (lane % 4) + e, unused_tanh);
+          score = mod.raw_score(score, row_on_diagonal, first_key_of_thread + (nj * 8 + e), unused_tanh);
         }
       }
     }
@@ -175,8 +176,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
     if constexpr (decltype(needs_mask)::value) {
       mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
     }
-    // Modified scores are already in log2 units.
-    softmax.template update<decltype(is_first)::value>(acc_s, acc_o, kScoreMod ? 1.f : params.scale_log2);
+    softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.scale_log2);
 
     uint32_t p_frag[kMTiles][kBlockN / 16][4];  // P in 16 bits, as A fragments of P · V
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
@@ -218,9 +218,7 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
   }
 
   float row_lse[2 * kMTiles];
-  // lse in natural units: the softmax's row max is in raw-score units (times softmax_scale), or
-  // for modified scores in log2 units (times ln 2).
-  softmax.finalize(acc_o, kScoreMod ? 0.6931471805599453f : params.softmax_scale, row_lse);
+  softmax.finalize(acc_o, params.softmax_scale, row_lse);
 
   // Epilogue: the warp writes its rows of O (16-bit) into its own rows of the Q tile (no other
   // warp reads them), then the CTA copies the tile out in 16-byte rows.
