@@ -198,6 +198,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
     uint32_t pt_frag[1][kBlockQueries / 16][4];  // Pᵀ as A fragments of dV += Pᵀ·dO
     gemm_smem_abt<Element, 1, kNTilesQ, kHeadDim / 16, kPitch, kPitch>(acc_pt, k_lane_addr, q_as_bt_addr + stage_offset);
     const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kScoreMod
+    // The diagonal key of this thread's first query column, as a float (ALiBi distances).
+    const float first_query_on_diagonal = mod.row_on_diagonal(first_query + 2 * (lane % 4));
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int key = thread_key + 8 * half;
@@ -213,7 +215,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
           const float lse_log2 = block_lse[query_in_block] * kLog2e;
           if constexpr (kScoreMod) {
             float tanh_value;
-            const float modified = mod.raw_score(score, mod.row_on_diagonal(query), static_cast<float>(key), tanh_value);
+            const float modified = mod.raw_score(score, first_query_on_diagonal + static_cast<float>(nj * 8 + e),
+                                                 static_cast<float>(key), tanh_value);
             prob[e] = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
             score = prob[e] * (1.f - tanh_value * tanh_value);
           } else {
@@ -445,8 +448,11 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
     float acc_ds[1][kNTilesK][4] = {};  // dP, then dS in place
     gemm_smem_abt<Element, 1, kNTilesK, kHeadDim / 16, kPitch, kPitch>(acc_ds, dout_lane_addr, v_as_bt_addr);
 #pragma unroll
+    const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
+#pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = first_query + warp * 16 + lane / 4 + 8 * half;
+      const float row_on_diagonal = mod.row_on_diagonal(row);
 #pragma unroll
       for (int nj = 0; nj < kNTilesK; ++nj) {
 #pragma unroll
@@ -454,11 +460,11 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
           const int key = first_key + nj * 8 + 2 * (lane % 4) + e;
           const int r = 2 * half + e;
           const bool visible = band.sees(row, key);
+          const float key_position = first_key_of_thread + static_cast<float>(nj * 8 + e);  // ALiBi
           float prob, grad_factor = 1.f;  // grad_factor: d(modified score) / d(scaled score)
           if constexpr (kScoreMod) {
             float tanh_value;
-            const float modified =
-                mod.raw_score(acc_s[0][nj][r], mod.row_on_diagonal(row), static_cast<float>(key), tanh_value);
+            const float modified = mod.raw_score(acc_s[0][nj][r], row_on_diagonal, key_position, tanh_value);
             prob = visible ? exp2f(fmaf(modified, params.scale_log2, -row_lse_log2[half])) : 0.f;
             grad_factor = 1.f - tanh_value * tanh_value;
           } else {
