@@ -40,6 +40,12 @@ struct BandMask {
     const int distance = key - row - diagonal_offset;  // > 0: right of the diagonal
     return key < len_k && distance <= right32 && distance >= -left32;
   }
+  // The rows that see `key` (none when key >= len_k): row i sees it iff
+  // i + diagonal_offset - left <= key <= i + diagonal_offset + right. Not clamped to [0, len_q).
+  __device__ __forceinline__ IndexRange queries_seeing_key(int key) const {
+    if (key >= len_k) return {1, 0};
+    return {static_cast<int64_t>(key) - diagonal_offset - right, static_cast<int64_t>(key) - diagonal_offset + left + 1};
+  }
   // The rows of [0, len_q) that see at least one key of [key_begin, key_end) (not empty).
   __device__ __forceinline__ int first_row_seeing(int key_begin) const {
     const int64_t r = static_cast<int64_t>(key_begin) - right - diagonal_offset;

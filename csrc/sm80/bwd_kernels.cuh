@@ -203,14 +203,18 @@ __global__ void __launch_bounds__(Tile::kThreads)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int key = thread_key + 8 * half;
+      // The queries that see `key`, as query_in_block bounds [lo, hi]: two compares per element.
+      const IndexRange seen_by = band.queries_seeing_key(key);
+      const int64_t lo_unclamped = seen_by.begin - first_query, hi_unclamped = seen_by.end - 1 - first_query;
+      const int lo = lo_unclamped < 0 ? 0 : static_cast<int>(lo_unclamped < kBlockQueries ? lo_unclamped : kBlockQueries);
+      const int hi = hi_unclamped >= valid_queries ? valid_queries - 1 : static_cast<int>(hi_unclamped < -1 ? -1 : hi_unclamped);
 #pragma unroll
       for (int nj = 0; nj < kNTilesQ; ++nj) {
         float prob[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int query_in_block = nj * 8 + 2 * (lane % 4) + e;
-          const int query = first_query + query_in_block;
-          const bool visible = query_in_block < valid_queries && band.sees(query, key);
+          const bool visible = query_in_block >= lo && query_in_block <= hi;
           float& score = acc_pt[0][nj][2 * half + e];
           const float lse_log2 = block_lse[query_in_block] * kLog2e;
           if constexpr (kScoreMod) {
