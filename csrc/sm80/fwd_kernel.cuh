@@ -77,7 +77,7 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][
 }
 
 template <typename Config, typename Element, bool kScoreMod>
-__global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const __grid_constant__ FwdParams params) {
+__global__ void __launch_bounds__(Config::kThreads, kScoreMod ? 1 : Config::kMinCtasPerSm) attention_fwd_kernel(const __grid_constant__ FwdParams params) {
   constexpr int kHeadDim = Config::kHeadDim;
   constexpr int kBlockM = Config::kBlockM;
   constexpr int kBlockN = Config::kBlockN;
@@ -147,8 +147,30 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
   const int lane = threadIdx.x % 32;
   const int warp_first_row = warp * Config::kRowsPerWarp;  // within the block
 
+  // Key-block schedule. A block needs the element-wise mask unless every row of the block sees all of
+  // its keys: it must end within the first row's band end (which is within the keys) and start at or
+  // after the last row's band start. The unmasked blocks are therefore one run [lo_unmasked,
+  // hi_unmasked); the masked ones are the right edge above it (the ragged end, the diagonal) and the
+  // left edge below it (a window's start). The masked blocks go first, right edge from the top down,
+  // then left edge from its top down; then the unmasked run from the top down. The softmax does not
+  // depend on the order, and one masked and one unmasked loop keep the kernel at four copies of the
+  // block body: a fifth (a separate loop for the left edge) cost hd64 64 registers and a CTA per SM.
+  const int last_row = first_row + valid_rows - 1;
+  const int hi_unmasked = max(first_key_block, min(num_key_blocks, band.end(first_row) / kBlockN));
+  const int lo_unmasked = min(hi_unmasked, max(first_key_block, (band.begin(last_row) + kBlockN - 1) / kBlockN));
+  const int num_right_masked = num_key_blocks - hi_unmasked;
+  const int num_masked = num_right_masked + (lo_unmasked - first_key_block);
+  const int num_blocks = num_key_blocks - first_key_block;
+  auto scheduled_block = [&](int i) {  // the i-th block visited; -1 past the end
+    if (i >= num_blocks) return -1;
+    if (i < num_right_masked) return num_key_blocks - 1 - i;
+    if (i < num_masked) return lo_unmasked - 1 - (i - num_right_masked);
+    return hi_unmasked - 1 - (i - num_masked);
+  };
+
   load_tile_async<Config, kBlockM>(smem_q, q, params.q_strides.row, valid_rows);
-  int key_block = num_key_blocks - 1;
+  int key_block = scheduled_block(0);
+  int next_key_block = scheduled_block(1);
   load_tile_async<Config, kBlockN>(smem_k, k_tile(key_block), params.k_strides.row, len_k - key_block * kBlockN);
   cp_async_commit();
 
@@ -185,9 +207,9 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
     // V[key_block] has landed; every warp is done reading K, so the next K may load.
     cp_async_wait<0>();
     __syncthreads();
-    if (key_block > first_key_block) {
-      load_tile_async<Config, kBlockN>(smem_k, k_tile(key_block - 1), params.k_strides.row,
-                                       len_k - (key_block - 1) * kBlockN);
+    if (next_key_block >= 0) {
+      load_tile_async<Config, kBlockN>(smem_k, k_tile(next_key_block), params.k_strides.row,
+                                       len_k - next_key_block * kBlockN);
     }
     cp_async_commit();
 
@@ -195,31 +217,24 @@ __global__ void __launch_bounds__(Config::kThreads) attention_fwd_kernel(const _
     gemm_rs_ab<Element, kMTiles, kNTilesO, kBlockN / 16, kPitch>(acc_o, p_frag, v_lane_addr);
   };
 
-  // A block needs the element-wise mask unless every row of the block sees all of its keys: it
-  // must end within the keys and within the first row's band end, and start at or after the
-  // last row's band start. Walking from the last block down, the masked blocks are a run at the
-  // start (the ragged end, the diagonal) and, with a left window, a run at the end; the unmasked
-  // blocks between them run in their own loop (a branch per block cost hd64 ~10%).
-  const int last_row = first_row + valid_rows - 1;
-  const int first_unmasked_left = (band.begin(last_row) + kBlockN - 1) / kBlockN;  // blocks below it: left edge
-  auto block_needs_mask = [&](int block) {
-    const int block_begin = block * kBlockN, block_end = block_begin + kBlockN;
-    return block_end > band.end(first_row) || block_begin < band.begin(last_row);
-  };
   using True = std::true_type;
   using False = std::false_type;
-  if (block_needs_mask(key_block)) {
+  if (num_masked > 0) {
     process_key_block(True{}, True{});
   } else {
     process_key_block(True{}, False{});
   }
-  for (--key_block; key_block >= first_key_block && block_needs_mask(key_block); --key_block) {
+  int i = 1;
+  for (; i < num_masked; ++i) {
+    key_block = next_key_block;
+    next_key_block = scheduled_block(i + 1);
     process_key_block(False{}, True{});
   }
-  for (; key_block >= first_key_block && key_block >= first_unmasked_left; --key_block) {
+  for (; i < num_blocks; ++i) {  // the unmasked run, from the top down
+    key_block = next_key_block;
+    next_key_block = i + 1 < num_blocks ? key_block - 1 : -1;
     process_key_block(False{}, False{});
   }
-  for (; key_block >= first_key_block; --key_block) process_key_block(False{}, True{});
 
   float row_lse[2 * kMTiles];
   softmax.finalize(acc_o, params.softmax_scale, row_lse);

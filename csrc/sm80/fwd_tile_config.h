@@ -8,8 +8,11 @@ namespace flash_ext::sm80 {
 
 // kBlockM query rows per CTA, kBlockN keys per inner-loop step, kWarps warps; each warp owns
 // kBlockM / kWarps consecutive query rows (a multiple of 16, the mma row count).
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+// kMinCtasPerSm: the occupancy ptxas must keep (__launch_bounds__), i.e. a register cap; applied
+// to plain attention only (the softcap / ALiBi variant spills under it at hd64).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kMinCtasPerSm_ = 1>
 struct FwdTile {
+  static constexpr int kMinCtasPerSm = kMinCtasPerSm_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -45,9 +48,13 @@ struct FwdTile {
 //   hd128: M128 N64 W4 355 / 363    M128 N32 W4 245 / 260   M128 N64 W8 211 / 221
 //   hd256: M64 N64 W4  273 / 279    M128 N64 W8 254 / 266   M128 N32 W8 230 / 237
 // hd 160-224 take hd256's geometry (not measured separately).
+// hd <= 64 fits 3 CTAs per SM in registers (168 each, no spills; unconstrained, ptxas takes 232 and
+// only 2 fit: hd64 lost ~9% that way at c7c9a12/515c27a).
 template <int kHeadDim>
 struct FwdTileFor {
-  using type = std::conditional_t<(kHeadDim <= 128), FwdTile<kHeadDim, 128, 64, 4>, FwdTile<kHeadDim, 64, 64, 4>>;
+  using type = std::conditional_t<
+      (kHeadDim <= 64), FwdTile<kHeadDim, 128, 64, 4, 3>,
+      std::conditional_t<(kHeadDim <= 128), FwdTile<kHeadDim, 128, 64, 4>, FwdTile<kHeadDim, 64, 64, 4>>>;
 };
 
 }  // namespace flash_ext::sm80
