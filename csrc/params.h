@@ -89,6 +89,13 @@ struct FwdParams {
   uint32_t dropout_threshold = 0;  // a random word below it drops its element (dropout_drop_threshold)
   uint64_t philox_seed = 0;
   uint64_t philox_offset = 0;
+  // CUDA: where seed and offset are only known on the device (CUDA-graph capture, and the backward,
+  // which reads the forward's rng_state tensor without a device-to-host copy): the kernels use
+  // *philox_seed_ptr and *philox_offset_ptr + philox_offset_intragraph instead of the two values above.
+  const int64_t* philox_seed_ptr = nullptr;
+  const int64_t* philox_offset_ptr = nullptr;
+  uint64_t philox_offset_intragraph = 0;
+  int64_t* rng_state_out = nullptr;  // CUDA forward: receives [seed, offset] (the op's rng_state output)
 
   // ---- Variable-length batches ----
   const int32_t* cu_seqlens_q = nullptr;  // (batch + 1) prefix sums of the query lengths; nullptr: dense

@@ -106,4 +106,18 @@ FLASH_EXT_HOST_DEVICE inline bool dropout_keeps_element(uint64_t seed, uint64_t 
   return dropout_keeps(words.w[column % 4], drop_threshold);
 }
 
+// The seed and offset of a call: the values in params, or read from device memory (see
+// FwdParams::philox_seed_ptr).
+struct PhiloxSeedOffset {
+  uint64_t seed;
+  uint64_t offset;
+};
+
+template <typename Params>
+FLASH_EXT_HOST_DEVICE inline PhiloxSeedOffset philox_seed_offset(const Params& params) {
+  if (params.philox_seed_ptr == nullptr) return {params.philox_seed, params.philox_offset};
+  return {static_cast<uint64_t>(*params.philox_seed_ptr),
+          static_cast<uint64_t>(*params.philox_offset_ptr) + params.philox_offset_intragraph};
+}
+
 }  // namespace flash_ext

@@ -47,6 +47,8 @@ struct ScoreMod {
     }
     return fmaf(-slope_raw, fabsf(row_on_diagonal - key), s);
   }
+  // Whether softcap or ALiBi is on (the kernels' kExtras variant also runs dropout-only calls).
+  __device__ __forceinline__ bool active() const { return cap_raw != 0.f || slope_raw != 0.f; }
   // row + len_k - len_q as a float: the key on the row's diagonal.
   __device__ __forceinline__ float row_on_diagonal(int row) const { return static_cast<float>(row + diagonal_offset); }
 };

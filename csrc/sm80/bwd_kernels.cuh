@@ -68,8 +68,8 @@ __global__ void __launch_bounds__(256)
 enum class KvGrads { kBoth, kOnlyDv, kOnlyDk };
 
 // num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (dkdv_stages).
-// kScoreMod: softcap or ALiBi is on (common/score_mod.cuh).
-template <typename Tile, KvGrads kGrads, typename Element, bool kScoreMod>
+// kExtras: softcap or ALiBi is on (common/score_mod.cuh).
+template <typename Tile, KvGrads kGrads, typename Element, bool kExtras>
 __global__ void __launch_bounds__(Tile::kThreads)
     attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params, const int num_stages) {
   constexpr int kHeadDim = Tile::kHeadDim;
@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
     float acc_pt[1][kNTilesQ][4] = {};
     uint32_t pt_frag[1][kBlockQueries / 16][4];  // Pᵀ as A fragments of dV += Pᵀ·dO
     gemm_smem_abt<Element, 1, kNTilesQ, kHeadDim / 16, kPitch, kPitch>(acc_pt, k_lane_addr, q_as_bt_addr + stage_offset);
-    const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kScoreMod
+    const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
     // The diagonal key of this thread's first query column, as a float (ALiBi distances).
     const float first_query_on_diagonal = mod.row_on_diagonal(first_query + 2 * (lane % 4));
 #pragma unroll
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
           const bool visible = query_in_block >= lo && query_in_block <= hi;
           float& score = acc_pt[0][nj][2 * half + e];
           const float lse_log2 = block_lse[query_in_block] * kLog2e;
-          if constexpr (kScoreMod) {
+          if constexpr (kExtras) {
             float tanh_value;
             const float modified = mod.raw_score(score, first_query_on_diagonal + static_cast<float>(nj * 8 + e),
                                                  static_cast<float>(key), tanh_value);
@@ -227,12 +227,12 @@ __global__ void __launch_bounds__(Tile::kThreads)
             score = visible ? exp2f(fmaf(score, params.scale_log2, -lse_log2)) : 0.f;
           }
         }
-        if constexpr (kScoreMod) pt_frag[0][nj / 2][(nj % 2) * 2 + half] = pack_float2<Element>(prob[0], prob[1]);
+        if constexpr (kExtras) pt_frag[0][nj / 2][(nj % 2) * 2 + half] = pack_float2<Element>(prob[0], prob[1]);
       }
     }
 
     if constexpr (kDv) {
-      if constexpr (!kScoreMod) accumulator_to_a_fragments<Element>(acc_pt, pt_frag);
+      if constexpr (!kExtras) accumulator_to_a_fragments<Element>(acc_pt, pt_frag);
       gemm_rs_ab<Element, 1, kNTilesD, kBlockQueries / 16, kPitch>(acc_dv, pt_frag, dout_as_b_addr + stage_offset);
     }
     if constexpr (kDk) {
@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(256)
   *reinterpret_cast<uint4*>(dq) = packed;
 }
 
-template <typename Tile, typename Element, bool kScoreMod>
+template <typename Tile, typename Element, bool kExtras>
 __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const __grid_constant__ BwdParams params) {
   constexpr int kHeadDim = Tile::kHeadDim;
   constexpr int kPitch = Tile::kSmemRowPitch;
@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
   const int key_end = band.end(first_query + valid_queries - 1);
   const int first_key_block = key_begin / kBlockKeys;
   const int num_key_blocks = key_end > key_begin ? (key_end + kBlockKeys - 1) / kBlockKeys : 0;
-  const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kScoreMod
+  const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
 
   float acc_dq[1][kNTilesD][4] = {};
   const uint32_t q_lane_addr = a_lane_address<kPitch>(smem_q + warp * 16 * kPitch);        // A of S = Q·Kᵀ
@@ -466,7 +466,7 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
           const bool visible = band.sees(row, key);
           const float key_position = first_key_of_thread + static_cast<float>(nj * 8 + e);  // ALiBi
           float prob, grad_factor = 1.f;  // grad_factor: d(modified score) / d(scaled score)
-          if constexpr (kScoreMod) {
+          if constexpr (kExtras) {
             float tanh_value;
             const float modified = mod.raw_score(acc_s[0][nj][r], row_on_diagonal, key_position, tanh_value);
             prob = visible ? exp2f(fmaf(modified, params.scale_log2, -row_lse_log2[half])) : 0.f;

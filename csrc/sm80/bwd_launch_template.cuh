@@ -62,13 +62,13 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
     kernel<<<grid, Tile::kThreads, smem_bytes, stream>>>(params, num_stages);
     throw_on_cuda_error(cudaGetLastError(), "launching the dK/dV kernel");
   };
-  auto launch_dkdv_grads = [&](auto score_mod_flag) {
-    constexpr bool kScoreMod = decltype(score_mod_flag)::value;
+  auto launch_dkdv_grads = [&](auto extras_flag) {
+    constexpr bool kExtras = decltype(extras_flag)::value;
     if constexpr (Tile::kSplitDkDv) {
-      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kOnlyDv, Element, kScoreMod>);
-      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kOnlyDk, Element, kScoreMod>);
+      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kOnlyDv, Element, kExtras>);
+      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kOnlyDk, Element, kExtras>);
     } else {
-      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kBoth, Element, kScoreMod>);
+      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kBoth, Element, kExtras>);
     }
   };
   if (score_mod) {

@@ -12,13 +12,15 @@
 //
 // Variable-length batches: blockIdx.z is the sequence; its rows start at cu_seqlens (params.h's
 // query_span / key_span), and row blocks past its end exit at once. Softcap and ALiBi change each
-// score (common/score_mod.cuh); kScoreMod compiles that in, so plain attention does not pay for it.
+// score (common/score_mod.cuh) and dropout zeroes probabilities after the row sums took them
+// (common/philox.h); kExtras compiles those in, so plain attention does not pay for them.
 #pragma once
 
 #include <cstdint>
 
 #include "../common/band_mask.cuh"
 #include "../common/online_softmax.cuh"
+#include "../common/philox.h"
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
 #include "../common/tile_copy.cuh"
@@ -76,8 +78,34 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][
   }
 }
 
-template <typename Config, typename Element, bool kScoreMod>
-__global__ void __launch_bounds__(Config::kThreads, kScoreMod ? 1 : Config::kMinCtasPerSm) attention_fwd_kernel(const __grid_constant__ FwdParams params) {
+// Dropout on unnormalised probabilities, after the online softmax took them into the row sums (lse is
+// that of the undropped softmax): one Philox call gives the 4 words of columns 4c..4c+3 of a row; a
+// thread holds columns 2t, 2t+1 of each 8-column tile, words 0-1 or 2-3 of one call.
+template <int kMTiles, int kNTilesS>
+__device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
+                                                   const PhiloxSeedOffset& rng, uint64_t batch_head,
+                                                   uint32_t drop_threshold) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = first_row + mi * 16 + lane / 4 + 8 * half;
+#pragma unroll
+      for (int nj = 0; nj < kNTilesS; ++nj) {
+        const int column = first_key + nj * 8 + 2 * (lane % 4);  // even: words column % 4 and +1
+        const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, row, column / 4);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (!dropout_keeps(words.w[column % 4 + e], drop_threshold)) acc_s[mi][nj][2 * half + e] = 0.f;
+        }
+      }
+    }
+  }
+}
+
+template <typename Config, typename Element, bool kExtras>
+__global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCtasPerSm) attention_fwd_kernel(const __grid_constant__ FwdParams params) {
   constexpr int kHeadDim = Config::kHeadDim;
   constexpr int kBlockM = Config::kBlockM;
   constexpr int kBlockN = Config::kBlockN;
@@ -93,6 +121,13 @@ __global__ void __launch_bounds__(Config::kThreads, kScoreMod ? 1 : Config::kMin
   Element* smem_v = smem_k + kBlockN * kPitch;
 
   // Heaviest query blocks (causal: the last ones) are launched first for a better tail.
+  // The Philox seed and offset of this call (possibly known only on the device), published once.
+  const PhiloxSeedOffset rng = kExtras ? philox_seed_offset(params) : PhiloxSeedOffset{0, 0};
+  if (kExtras && params.rng_state_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
+      threadIdx.x == 0) {
+    params.rng_state_out[0] = static_cast<int64_t>(rng.seed);
+    params.rng_state_out[1] = static_cast<int64_t>(rng.offset);
+  }
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
@@ -182,7 +217,7 @@ __global__ void __launch_bounds__(Config::kThreads, kScoreMod ? 1 : Config::kMin
   const uint32_t v_lane_addr = b_rows_k_lane_address<kPitch>(smem_v);
 
   // Softcap / ALiBi constants, formed once (a slope load and two divisions), not per key block.
-  const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kScoreMod
+  const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
 
   auto process_key_block = [&](auto is_first, auto needs_mask) {
     // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
@@ -195,11 +230,19 @@ __global__ void __launch_bounds__(Config::kThreads, kScoreMod ? 1 : Config::kMin
     float acc_s[kMTiles][kNTilesS][4] = {};
     gemm_smem_abt<Element, kMTiles, kNTilesS, kHeadDim / 16, kPitch, kPitch>(acc_s, q_lane_addr, k_lane_addr);
 
-    if constexpr (kScoreMod) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod);
+    if constexpr (kExtras) {
+      if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod);
+    }
     if constexpr (decltype(needs_mask)::value) {
       mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
     }
     softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.scale_log2);
+    if constexpr (kExtras) {
+      if (params.has_dropout()) {
+        drop_probabilities(acc_s, first_row + warp_first_row, key_block * kBlockN, rng,
+                           static_cast<uint64_t>(batch) * params.heads_q + head, params.dropout_threshold);
+      }
+    }
 
     uint32_t p_frag[kMTiles][kBlockN / 16][4];  // P in 16 bits, as A fragments of P · V
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
@@ -238,6 +281,18 @@ __global__ void __launch_bounds__(Config::kThreads, kScoreMod ? 1 : Config::kMin
 
   float row_lse[2 * kMTiles];
   softmax.finalize(acc_o, params.softmax_scale, row_lse);
+  if constexpr (kExtras) {
+    if (params.has_dropout()) {  // kept probabilities count 1 / (1 - p)
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+        for (int nd = 0; nd < kNTilesO; ++nd) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc_o[mi][nd][r] *= params.dropout_scale;
+        }
+      }
+    }
+  }
 
   // Epilogue: the warp writes its rows of O (16-bit) into its own rows of the Q tile (no other
   // warp reads them), then the CTA copies the tile out in 16-byte rows.

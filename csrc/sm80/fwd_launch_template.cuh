@@ -11,11 +11,11 @@ template <Elem16 kElem, int kHeadDim>
 void run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
   using Config = typename FwdTileFor<kHeadDim>::type;
   using Element = ElementOf<kElem>;
-  // Softcap and ALiBi change every score: a separate instantiation, so plain attention keeps
-  // its one-FFMA score path.
-  const bool score_mod = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  // Softcap, ALiBi and dropout change every score or probability: a separate instantiation, so
+  // plain attention keeps its one-FFMA score path.
+  const bool extras = params.softcap > 0.f || params.alibi_slopes != nullptr || params.has_dropout();
   const auto kernel =
-      score_mod ? attention_fwd_kernel<Config, Element, true> : attention_fwd_kernel<Config, Element, false>;
+      extras ? attention_fwd_kernel<Config, Element, true> : attention_fwd_kernel<Config, Element, false>;
   constexpr size_t kSmemBytes = Config::kSmemElements * sizeof(Element);
   set_smem_limit(kernel, kSmemBytes, "the forward kernel");
 
