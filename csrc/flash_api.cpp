@@ -19,6 +19,8 @@
 #ifdef FLASH_EXT_WITH_CUDA
 // c10/cuda only: ATen/cuda/CUDAContext.h would pull in cuSPARSE/cuBLAS headers that a plain
 // CUDA toolkit install may lack.
+// ATen/cuda/CUDAGeneratorImpl.h (the CUDA Philox generator) does not pull those in.
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -220,7 +222,7 @@ struct RngState {
 };
 
 // A fresh (seed, offset) from torch's default generator of `device`, so that torch.manual_seed
-// reproduces a run. See common/philox.h for how the CUDA path will take them.
+// reproduces a run (the CPU path; CUDA: set_cuda_dropout_state).
 RngState draw_rng_state(const at::Device& device) {
   FLASH_EXT_CHECK(device.is_cpu(), "flash_ext: dropout on ", device, " is not supported");
   auto* generator =
@@ -233,10 +235,6 @@ RngState draw_rng_state(const at::Device& device) {
 // rng_state, the forward's third output: int64 [seed, offset] (the seed's 64 bits reinterpreted),
 // zeros when dropout is off.
 at::Tensor rng_state_tensor(const RngState& rng, const at::Tensor& q) {
-  if (!q.is_cpu()) {
-    FLASH_EXT_CHECK(rng.seed == 0 && rng.offset == 0, "flash_ext: internal error: dropout state off the CPU");
-    return at::zeros({2}, q.options().dtype(at::kLong));
-  }
   at::Tensor state = at::empty({2}, q.options().dtype(at::kLong));
   state.data_ptr<int64_t>()[0] = static_cast<int64_t>(rng.seed);
   state.data_ptr<int64_t>()[1] = static_cast<int64_t>(rng.offset);
@@ -545,11 +543,43 @@ at::Tensor unpad_head_dim(const at::Tensor& t, int64_t head_dim) {
   return t.size(-1) == head_dim ? t : t.narrow(-1, 0, head_dim).contiguous();
 }
 
-// Dropout is the one option the CUDA kernels lack so far; it must fail loudly rather than
-// silently compute something different.
-void check_cuda_supports(const AttentionOptions& o) {
-  FLASH_EXT_CHECK(o.dropout_p == 0, "flash_ext: dropout (dropout_p=", o.dropout_p,
-                  ") is not supported by the CUDA kernels yet; run on the CPU, or leave it off on CUDA (dropout_p=0)");
+// Dropout on CUDA: the Philox seed and offset come from torch's CUDA generator of the current
+// device (torch.manual_seed reproduces a run). philox_cuda_state reserves `increment` offsets per
+// call: batch * heads_q streams (common/philox.h's mapping), rounded up to a multiple of 4 as the
+// generator requires. Under CUDA-graph capture the values live on the device (they change per
+// replay): the kernels read them there and the forward kernel writes them to rng_state.
+void set_cuda_dropout_state(FwdParams& p, at::Tensor& rng_state) {
+  auto* generator = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt,
+                                                                       at::cuda::detail::getDefaultCUDAGenerator());
+  const uint64_t increment = (static_cast<uint64_t>(p.batch) * p.heads_q + 3) / 4 * 4;
+  at::PhiloxCudaState state;
+  {
+    std::lock_guard<std::mutex> lock(generator->mutex_);
+    state = generator->philox_cuda_state(increment);
+  }
+  if (state.captured_) {
+    p.philox_seed_ptr = state.seed_.ptr;
+    p.philox_offset_ptr = state.offset_.ptr;
+    p.philox_offset_intragraph = state.offset_intragraph_;
+  } else {
+    p.philox_seed = state.seed_.val;
+    p.philox_offset = state.offset_.val;
+  }
+  p.rng_state_out = rng_state.data_ptr<int64_t>();
+}
+
+// The backward reads the forward's rng_state on the device (no device-to-host copy).
+void set_cuda_dropout_state_from(BwdParams& p, const std::optional<at::Tensor>& rng_state, const at::Tensor& q,
+                                 at::Tensor& rng_state_on_device) {
+  FLASH_EXT_CHECK(rng_state.has_value(),
+                  "flash_ext: the backward with dropout_p > 0 needs rng_state, the forward's third output");
+  FLASH_EXT_CHECK(rng_state->scalar_type() == at::kLong && rng_state->numel() == 2,
+                  "flash_ext: rng_state must be int64 [seed, offset] (2 elements), got ", rng_state->scalar_type(),
+                  " of shape ", rng_state->sizes());
+  rng_state_on_device = rng_state->to(q.device()).contiguous();
+  p.philox_seed_ptr = rng_state_on_device.data_ptr<int64_t>();
+  p.philox_offset_ptr = p.philox_seed_ptr + 1;
+  p.philox_offset_intragraph = 0;
 }
 
 void check_sm80(const at::Tensor& q) {
@@ -573,7 +603,6 @@ struct VarlenArgs {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda_impl(const at::Tensor& q_in, const at::Tensor& k_in,
                                                              const at::Tensor& v_in, const AttentionOptions& options,
                                                              const VarlenArgs& varlen) {
-  check_cuda_supports(options);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_sm80(q_in);
 
@@ -588,7 +617,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda_impl(const at::Tensor& q
   // lse: (batch, heads_q, seqlen_q) dense, (heads_q, total_q) varlen.
   at::Tensor lse = varlen.is_varlen() ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
                                       : at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  const at::Tensor rng_state = rng_state_tensor(RngState{}, q);  // no dropout on CUDA yet
+  // [seed, offset] of the dropout mask, written by the forward kernel (zeros without dropout).
+  at::Tensor rng_state = at::zeros({2}, q.options().dtype(at::kLong));
   auto result = [&]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
     return {unpad_head_dim(out_padded, head_dim), lse, rng_state};
   };
@@ -606,6 +636,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda_impl(const at::Tensor& q
   set_options(p, options, alibi_slopes, RngState{});
   p.head_dim = static_cast<int>(head_dim_padded);
   if (p.seqlen_q == 0) return result();  // varlen with every sequence empty of queries
+  if (options.dropout_p > 0) set_cuda_dropout_state(p, rng_state);
   sm80::run_attention_fwd_dispatch(p, c10::cuda::getCurrentCUDAStream().stream());
   return result();
 }
@@ -615,8 +646,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
                                                              const at::Tensor& k_in, const at::Tensor& v_in,
                                                              const at::Tensor& out_in, const at::Tensor& lse,
                                                              const AttentionOptions& options, bool deterministic,
+                                                             const std::optional<at::Tensor>& rng_state,
                                                              const VarlenArgs& varlen) {
-  check_cuda_supports(options);
   const c10::cuda::CUDAGuard device_guard(q_in.device());
   check_sm80(q_in);
 
@@ -659,6 +690,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
   p.softmax_d = softmax_d.data_ptr<float>();
   if (!deterministic) p.dq_accum = dq_accum.data_ptr<float>();
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return result();
+  at::Tensor rng_state_on_device;
+  if (options.dropout_p > 0) set_cuda_dropout_state_from(p, rng_state, q, rng_state_on_device);
   sm80::run_attention_bwd_dispatch(p, c10::cuda::getCurrentCUDAStream().stream());
   return result();
 }
@@ -680,11 +713,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, 
                                                         bool deterministic, int64_t window_left, int64_t window_right,
                                                         double softcap, const std::optional<at::Tensor>& alibi_slopes,
                                                         double dropout_p,
-                                                        const std::optional<at::Tensor>& /*rng_state*/) {
+                                                        const std::optional<at::Tensor>& rng_state) {
   check_bwd_inputs(dout, q, k, v, out, lse, softmax_scale);
   const AttentionOptions options{softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p};
   check_options(options, q, q.size(0));
-  return bwd_cuda_impl(dout, q, k, v, out, lse, options, deterministic, VarlenArgs{});
+  return bwd_cuda_impl(dout, q, k, v, out, lse, options, deterministic, rng_state, VarlenArgs{});
 }
 
 // cu_seqlens' values are not read on the host here (that would wait for the stream): their
@@ -707,13 +740,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, double softmax_scale, bool causal, bool deterministic, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-    const std::optional<at::Tensor>& /*rng_state*/) {
+    const std::optional<at::Tensor>& rng_state) {
   check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_bwd_tensors(dout, q, out, lse, {q.size(1), q.size(0)}, "(heads_q, total_q)");
   const AttentionOptions options{softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p};
   check_options(options, q, varlen_batch(cu_seqlens_q));
   const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
-  return bwd_cuda_impl(dout, q, k, v, out, lse, options, deterministic,
+  return bwd_cuda_impl(dout, q, k, v, out, lse, options, deterministic, rng_state,
                        VarlenArgs{&cu_q, &cu_k, max_seqlen_q, max_seqlen_k});
 }
 

@@ -1,6 +1,7 @@
 """The CUDA kernels' features against the float64 reference (flash-attn's tolerance rule), forward and
-gradients with both dQ paths: sliding windows, softcap, ALiBi, variable-length batches and all of
-them combined. Dropout is not in the CUDA kernels yet: it must fail with a clear error.
+gradients with both dQ paths: sliding windows, softcap, ALiBi, dropout (against the reference with the
+call's own keep mask, which flash_ext.testing computes with the CPU's Philox function: so these also
+show that CPU and CUDA drop the same elements), variable-length batches and all of them combined.
 Every test here is marked `cuda` and is skipped where torch sees no GPU."""
 import pytest
 import torch
@@ -119,10 +120,71 @@ def test_all_features_combined(head_dim, deterministic):
     check_varlen_gradients(q, k, v, cu_q, cu_k, causal=False, deterministic=deterministic, **features)
 
 
-def test_dropout_raises_on_cuda():
-    q, k, v = make_qkv(2, 64, 64, 4, 2, 64, torch.bfloat16, device="cuda")
-    with pytest.raises(RuntimeError, match=r"dropout \(dropout_p=0.1\) is not supported by the CUDA kernels yet"):
-        flash_ext.attention(q, k, v, dropout_p=0.1)
+@pytest.mark.parametrize("deterministic", DQ_PATHS, ids=DQ_PATH_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dropout(causal, head_dim, deterministic):
+    q, k, v = make_qkv(2, 177, 203, 4, 2, head_dim, torch.bfloat16, device="cuda")
+    check_forward_and_gradients(q, k, v, causal=causal, dropout_p=0.17, deterministic=deterministic)
+
+
+def test_dropout_varlen_with_every_feature():
+    q, k, v, cu_q, cu_k = make_varlen_qkv([90, 0, 1, 257], [120, 7, 1, 300], 6, 2, 128, torch.float16, device="cuda")
+    features = dict(window_size=(48, 16), softcap=30.0, alibi_slopes=alibi_slopes(4, 6, True), dropout_p=0.17)
+    check_varlen_forward(q, k, v, cu_q, cu_k, causal=False, **features)
+    check_varlen_gradients(q, k, v, cu_q, cu_k, causal=False, **features)
+
+
+def test_dropout_is_reproducible_after_manual_seed_and_differs_between_calls():
+    q, k, v = make_qkv(2, 300, 300, 4, 4, 64, torch.bfloat16, device="cuda")
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(1234)
+        runs.append([attention_with_rng_state(q, k, v, dropout_p=0.2) for _ in range(2)])
+    for (out_a, _, rng_a), (out_b, _, rng_b) in zip(runs[0], runs[1]):
+        assert torch.equal(rng_a, rng_b) and torch.equal(out_a, out_b), "not reproducible after torch.manual_seed"
+    assert not torch.equal(runs[0][0][2], runs[0][1][2]), "two calls drew the same seed and offset"
+    assert not torch.equal(runs[0][0][0], runs[0][1][0])
+
+
+def test_dropped_fraction_on_cuda():
+    """With v = 1 for one key and 0 elsewhere, out[i] = P_ij * keep_ij / (1 - p): the kept fraction
+    over many rows and heads is the keep rate."""
+    p = 0.17
+    batch, seqlen, heads = 4, 512, 8
+    q = torch.zeros(batch, seqlen, heads, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.zeros_like(q)  # uniform probabilities 1 / seqlen
+    v = torch.zeros_like(q)
+    v[..., 0] = 1.0
+    out, _, rng_state = attention_with_rng_state(q, k, v, dropout_p=p)
+    keep = flash_ext.testing.dropout_keep_mask(rng_state, batch, heads, seqlen, seqlen, p)
+    expected = keep.float().mean(-1) / (1 - p)  # (batch, heads, seqlen): sum over keys of keep / seqlen / (1 - p)
+    assert torch.allclose(out[..., 0].float().permute(0, 2, 1).cpu(), expected, atol=2e-2)
+    assert abs(1 - keep.float().mean().item() - p) < 0.01
+
+
+def test_dropout_in_a_cuda_graph():
+    """Captured: every replay draws new offsets on the device; rng_state (written by the kernel) says
+    which, and the output matches the reference with that mask."""
+    q, k, v = make_qkv(2, 200, 230, 4, 2, 64, torch.float16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        attention_with_rng_state(q, k, v, dropout_p=0.17)  # warm-up on the side stream
+        with torch.cuda.graph(graph, stream=stream):
+            out, lse, rng_state = attention_with_rng_state(q, k, v, dropout_p=0.17)
+    torch.cuda.current_stream().wait_stream(stream)
+    states = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        states.append(rng_state.clone())
+        keep = flash_ext.testing.dropout_keep_mask(rng_state, 2, 4, 200, 230, 0.17)
+        from flash_ext.reference import attention_ref
+        ref, _ = attention_ref(q, k, v, dropout_p=0.17, dropout_mask=keep.to(q.device))
+        assert (out.double() - ref).abs().max().item() < 0.02
+    assert not torch.equal(states[0], states[1]), "graph replays reused one dropout mask"
 
 
 def test_rng_state_is_zeros_without_dropout():

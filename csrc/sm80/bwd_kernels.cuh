@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "../common/band_mask.cuh"
+#include "../common/philox.h"
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
 #include "../common/tile_copy.cuh"
@@ -64,11 +65,35 @@ __global__ void __launch_bounds__(256)
   if (lane == 0) params.softmax_d[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = sum;
 }
 
+// Dropout keep bits of the dK/dV kernel's thread: its two keys (rows of Pᵀ) x its 16 query columns,
+// bit 16 * half + 2 * nj + e for key thread_key + 8 * half and query first_query + nj * 8 + 2 * (lane % 4)
+// + e. The element (query i, key j) is word j % 4 of the Philox call for (row i, columns j / 4): one
+// call per element here (the calls run in a loop that is not unrolled, to keep registers).
+template <int kNTilesQ>
+__device__ __forceinline__ uint32_t dkdv_keep_bits(const BwdParams& params, int batch, int head, int first_query,
+                                                   int thread_key) {
+  static_assert(2 * 2 * kNTilesQ <= 32, "one 32-bit keep mask");
+  const PhiloxSeedOffset rng = philox_seed_offset(params);
+  const uint64_t batch_head = static_cast<uint64_t>(batch) * params.heads_q + head;
+  const int lane = threadIdx.x % 32;
+  uint32_t bits = 0;
+#pragma unroll 1
+  for (int i = 0; i < 4 * kNTilesQ; ++i) {  // i = (half, nj, e)
+    const int half = i / (2 * kNTilesQ), nj = i / 2 % kNTilesQ, e = i % 2;
+    const int key = thread_key + 8 * half;
+    const int query = first_query + nj * 8 + 2 * (lane % 4) + e;
+    const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, query, key / 4);
+    const uint32_t word = key % 4 == 0 ? words.w[0] : key % 4 == 1 ? words.w[1] : key % 4 == 2 ? words.w[2] : words.w[3];
+    bits |= (dropout_keeps(word, params.dropout_threshold) ? 1u : 0u) << i;
+  }
+  return bits;
+}
+
 // Which gradients one launch of the dK/dV kernel produces (head dims > 128 use two launches).
 enum class KvGrads { kBoth, kOnlyDv, kOnlyDk };
 
 // num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (dkdv_stages).
-// kExtras: softcap or ALiBi is on (common/score_mod.cuh).
+// kExtras: softcap, ALiBi or dropout is on (common/score_mod.cuh, common/philox.h).
 template <typename Tile, KvGrads kGrads, typename Element, bool kExtras>
 __global__ void __launch_bounds__(Tile::kThreads)
     attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params, const int num_stages) {
@@ -200,6 +225,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
     // The diagonal key of this thread's first query column, as a float (ALiBi distances).
     const float first_query_on_diagonal = mod.row_on_diagonal(first_query + 2 * (lane % 4));
+    // Dropout: bit (half, nj, e) set = element kept (all set without dropout).
+    const uint32_t keep_bits =
+        kExtras && params.has_dropout() ? dkdv_keep_bits<kNTilesQ>(params, batch, head, first_query, thread_key) : ~0u;
+    const float kept_scale = kExtras && params.has_dropout() ? params.dropout_scale : 1.f;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int key = thread_key + 8 * half;
@@ -221,8 +250,12 @@ __global__ void __launch_bounds__(Tile::kThreads)
             float tanh_value;
             const float modified = mod.raw_score(score, first_query_on_diagonal + static_cast<float>(nj * 8 + e),
                                                  static_cast<float>(key), tanh_value);
-            prob[e] = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
-            score = prob[e] * (1.f - tanh_value * tanh_value);
+            const float p = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
+            // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep·scale − D) ∘ (1 − tanh²) keeps P
+            // itself (times the softcap factor) here and applies keep·scale to dP below.
+            const bool kept = keep_bits >> (16 * half + 2 * nj + e) & 1u;
+            prob[e] = kept ? p * kept_scale : 0.f;
+            score = p * (1.f - tanh_value * tanh_value);
           } else {
             score = visible ? exp2f(fmaf(score, params.scale_log2, -lse_log2)) : 0.f;
           }
@@ -243,7 +276,12 @@ __global__ void __launch_bounds__(Tile::kThreads)
       for (int nj = 0; nj < kNTilesQ; ++nj) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          acc_dst[0][nj][r] = acc_pt[0][nj][r] * (acc_dst[0][nj][r] - block_d[nj * 8 + 2 * (lane % 4) + r % 2]);
+          float dp = acc_dst[0][nj][r];
+          if constexpr (kExtras) {  // dropout: dP of a dropped element is 0, of a kept one scaled
+            const bool kept = keep_bits >> (16 * (r / 2) + 2 * nj + r % 2) & 1u;
+            dp = kept ? dp * kept_scale : 0.f;
+          }
+          acc_dst[0][nj][r] = acc_pt[0][nj][r] * (dp - block_d[nj * 8 + 2 * (lane % 4) + r % 2]);
         }
       }
       uint32_t dst_frag[1][kBlockQueries / 16][4];
@@ -453,6 +491,29 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
     gemm_smem_abt<Element, 1, kNTilesK, kHeadDim / 16, kPitch, kPitch>(acc_ds, dout_lane_addr, v_as_bt_addr);
 #pragma unroll
     const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
+    // Dropout keep bits: bit 2 * kNTilesK * half + 2 * nj + e for (row of `half`, key nj * 8 + 2 * (lane % 4) + e);
+    // those two keys are words column % 4 and +1 of one Philox call (column even).
+    uint32_t keep_bits = ~0u;
+    if constexpr (kExtras) {
+      if (params.has_dropout()) {
+        static_assert(2 * 2 * kNTilesK <= 32, "one 32-bit keep mask");
+        const PhiloxSeedOffset rng = philox_seed_offset(params);
+        const uint64_t batch_head = static_cast<uint64_t>(batch) * params.heads_q + head;
+        keep_bits = 0;
+#pragma unroll 1
+        for (int i = 0; i < 2 * kNTilesK; ++i) {  // i = (half, nj)
+          const int half = i / kNTilesK, nj = i % kNTilesK;
+          const int row = first_query + warp * 16 + lane / 4 + 8 * half;
+          const int column = first_key + nj * 8 + 2 * (lane % 4);
+          const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, row, column / 4);
+          const uint32_t w0 = column % 4 == 0 ? words.w[0] : words.w[2];
+          const uint32_t w1 = column % 4 == 0 ? words.w[1] : words.w[3];
+          keep_bits |= ((dropout_keeps(w0, params.dropout_threshold) ? 1u : 0u) |
+                        (dropout_keeps(w1, params.dropout_threshold) ? 2u : 0u)) << (2 * i);
+        }
+      }
+    }
+    const float kept_scale = kExtras && params.has_dropout() ? params.dropout_scale : 1.f;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = first_query + warp * 16 + lane / 4 + 8 * half;
@@ -474,7 +535,12 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
           } else {
             prob = visible ? exp2f(fmaf(acc_s[0][nj][r], params.scale_log2, -row_lse_log2[half])) : 0.f;
           }
-          acc_ds[0][nj][r] = prob * (acc_ds[0][nj][r] - row_d[half]) * grad_factor;
+          float dp = acc_ds[0][nj][r];
+          if constexpr (kExtras) {  // dropout: dP of a dropped element is 0, of a kept one scaled
+            const bool kept = keep_bits >> (2 * kNTilesK * half + 2 * nj + e) & 1u;
+            dp = kept ? dp * kept_scale : 0.f;
+          }
+          acc_ds[0][nj][r] = prob * (dp - row_d[half]) * grad_factor;
         }
       }
     }

@@ -39,8 +39,8 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   using Element = ElementOf<kElem>;
   check_grid_limits(params, "backward");
 
-  // Softcap and ALiBi change every score: separate instantiations, as in the forward.
-  const bool score_mod = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  // Softcap, ALiBi and dropout: separate instantiations, as in the forward.
+  const bool extras = params.softcap > 0.f || params.alibi_slopes != nullptr || params.has_dropout();
   // The preprocess and convert kernels number rows through the batch; a variable-length batch is
   // one packed batch of total_q (= lse_head_stride) rows.
   const int64_t rows_per_batch = params.is_varlen() ? params.lse_head_stride : params.seqlen_q;
@@ -71,7 +71,7 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
       launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kBoth, Element, kExtras>);
     }
   };
-  if (score_mod) {
+  if (extras) {
     launch_dkdv_grads(std::true_type{});
   } else {
     launch_dkdv_grads(std::false_type{});
@@ -84,7 +84,7 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
         <<<static_cast<unsigned>((num_chunks + 255) / 256), 256, 0, stream>>>(params, rows_per_batch, num_rows);
     throw_on_cuda_error(cudaGetLastError(), "launching the dQ conversion kernel");
   } else {
-    const auto dq_kernel = score_mod ? attention_bwd_dq_kernel<DqTile, Element, true>
+    const auto dq_kernel = extras ? attention_bwd_dq_kernel<DqTile, Element, true>
                                      : attention_bwd_dq_kernel<DqTile, Element, false>;
     set_smem_limit(dq_kernel, DqTile::kSmemBytes, "the dQ kernel");
     const dim3 grid((params.seqlen_q + DqTile::kBlockQueries - 1) / DqTile::kBlockQueries, params.heads_q, params.batch);

@@ -80,24 +80,39 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][
 
 // Dropout on unnormalised probabilities, after the online softmax took them into the row sums (lse is
 // that of the undropped softmax): one Philox call gives the 4 words of columns 4c..4c+3 of a row; a
-// thread holds columns 2t, 2t+1 of each 8-column tile, words 0-1 or 2-3 of one call.
+// thread holds columns 2t, 2t+1 of each 8-column tile, words 0-1 or 2-3 of one call. The calls run in
+// a loop that is not unrolled, collecting keep bits (unrolled, 32 inlined Philox calls spilled ~700 B
+// at hd128); the bits are then applied with the accumulator indices known at compile time.
 template <int kMTiles, int kNTilesS>
 __device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
-                                                   const PhiloxSeedOffset& rng, uint64_t batch_head,
-                                                   uint32_t drop_threshold) {
+                                                   const FwdParams& params) {
+  static_assert(2 * kNTilesS <= 32, "one 32-bit keep mask per row");
   const int lane = threadIdx.x % 32;
+  // Formed here, per key block, rather than kept in registers across the main loop.
+  const PhiloxSeedOffset rng = philox_seed_offset(params);
+  const uint64_t batch_head = static_cast<uint64_t>(blockIdx.z) * params.heads_q + blockIdx.y;
+  const uint32_t drop_threshold = params.dropout_threshold;
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = first_row + mi * 16 + lane / 4 + 8 * half;
-#pragma unroll
+      uint32_t keep_bits = 0;  // bit 2 * nj + e: column nj * 8 + 2 * (lane % 4) + e is kept
+#pragma unroll 1
       for (int nj = 0; nj < kNTilesS; ++nj) {
         const int column = first_key + nj * 8 + 2 * (lane % 4);  // even: words column % 4 and +1
         const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, row, column / 4);
+        const int word = column % 4;
+        const uint32_t w0 = word == 0 ? words.w[0] : words.w[2];
+        const uint32_t w1 = word == 0 ? words.w[1] : words.w[3];
+        keep_bits |= (dropout_keeps(w0, drop_threshold) ? 1u : 0u) << (2 * nj);
+        keep_bits |= (dropout_keeps(w1, drop_threshold) ? 1u : 0u) << (2 * nj + 1);
+      }
+#pragma unroll
+      for (int nj = 0; nj < kNTilesS; ++nj) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          if (!dropout_keeps(words.w[column % 4 + e], drop_threshold)) acc_s[mi][nj][2 * half + e] = 0.f;
+          if (!(keep_bits >> (2 * nj + e) & 1u)) acc_s[mi][nj][2 * half + e] = 0.f;
         }
       }
     }
@@ -121,10 +136,11 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   Element* smem_v = smem_k + kBlockN * kPitch;
 
   // Heaviest query blocks (causal: the last ones) are launched first for a better tail.
-  // The Philox seed and offset of this call (possibly known only on the device), published once.
-  const PhiloxSeedOffset rng = kExtras ? philox_seed_offset(params) : PhiloxSeedOffset{0, 0};
+  // The Philox seed and offset of this call (possibly known only on the device), published once
+  // for the backward.
   if (kExtras && params.rng_state_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
       threadIdx.x == 0) {
+    const PhiloxSeedOffset rng = philox_seed_offset(params);
     params.rng_state_out[0] = static_cast<int64_t>(rng.seed);
     params.rng_state_out[1] = static_cast<int64_t>(rng.offset);
   }
@@ -239,8 +255,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.scale_log2);
     if constexpr (kExtras) {
       if (params.has_dropout()) {
-        drop_probabilities(acc_s, first_row + warp_first_row, key_block * kBlockN, rng,
-                           static_cast<uint64_t>(batch) * params.heads_q + head, params.dropout_threshold);
+        drop_probabilities(acc_s, first_row + warp_first_row, key_block * kBlockN, params);
       }
     }
 
