@@ -47,6 +47,7 @@ feature_cases = [
     dict(dense=True, features=dict(window_size=(40, 8), softcap=30.0, alibi_slopes=slopes)),
     dict(dense=False, features=dict(window_size=(33, -1))),
 ]
+# Dropout: checked against the reference with the call's keep mask below (rng_state from the call).
 for case in feature_cases:
     features = case["features"]
     if case["dense"]:
@@ -72,5 +73,21 @@ for case in feature_cases:
         for name, grad, ref_grad in zip(("dq", "dk", "dv"), grads, ref_grads):
             err = (grad.double() - ref_grad).abs().max().item()
             assert err < 0.05 * max(1.0, ref_grad.abs().max().item()), f"{features}: {name} error {err}"
+from flash_ext.testing import attention_with_rng_state, dropout_keep_mask  # noqa: E402
+
+q = torch.randn(2, 150, 4, 64, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(2, 190, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+inputs = [t.requires_grad_() for t in (q, k, v)]
+dout = torch.randn_like(q)
+for deterministic in (False, True):
+    out, _, rng_state = attention_with_rng_state(*inputs, causal=True, dropout_p=0.2, deterministic=deterministic)
+    keep = dropout_keep_mask(rng_state, 2, 4, 150, 190, 0.2).cuda()
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_ref(*ref_inputs, causal=True, dropout_p=0.2, dropout_mask=keep)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, dout.double())
+    assert (out.double() - ref).abs().max().item() < 0.05, "dropout forward"
+    for name, grad, ref_grad in zip(("dq", "dk", "dv"), torch.autograd.grad(out, inputs, dout), ref_grads):
+        err = (grad.double() - ref_grad).abs().max().item()
+        assert err < 0.05 * max(1.0, ref_grad.abs().max().item()), f"dropout: {name} error {err}"
 torch.cuda.synchronize()
-print(f"sanitize: {len(cases) + len(feature_cases)} cases ok (forward, backward with both dQ paths)")
+print(f"sanitize: {len(cases) + len(feature_cases) + 1} cases ok (forward, backward with both dQ paths)")
