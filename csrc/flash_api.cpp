@@ -278,8 +278,9 @@ std::optional<at::Tensor> usable_alibi_slopes(const std::optional<at::Tensor>& a
   return alibi_slopes->stride(-1) == 1 ? *alibi_slopes : alibi_slopes->contiguous();
 }
 
-FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                          const at::Tensor& lse, double softmax_scale, bool causal) {
+// The tensor pointers and strides every FwdParams carries (dense or packed layouts alike).
+FwdParams params_with_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                              const at::Tensor& lse) {
   FwdParams p;
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -290,13 +291,19 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
   p.k_strides = strides_of(k);
   p.v_strides = strides_of(v);
   p.out_strides = strides_of(out);
+  p.dtype = to_dtype(q.scalar_type());
+  p.head_dim = static_cast<int>(q.size(-1));
+  p.heads_q = static_cast<int>(q.size(-2));
+  p.heads_kv = static_cast<int>(k.size(-2));
+  return p;
+}
+
+FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                          const at::Tensor& lse, double softmax_scale, bool causal) {
+  FwdParams p = params_with_tensors(q, k, v, out, lse);
   p.batch = static_cast<int>(q.size(0));
   p.seqlen_q = static_cast<int>(q.size(1));
-  p.heads_q = static_cast<int>(q.size(2));
-  p.head_dim = static_cast<int>(q.size(3));
   p.seqlen_k = static_cast<int>(k.size(1));
-  p.heads_kv = static_cast<int>(k.size(2));
-  p.dtype = to_dtype(q.scalar_type());
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   p.causal = causal;
@@ -310,23 +317,10 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
 FwdParams make_varlen_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                  const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                  int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  FwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.q_strides = strides_of(q);
-  p.k_strides = strides_of(k);
-  p.v_strides = strides_of(v);
-  p.out_strides = strides_of(out);
+  FwdParams p = params_with_tensors(q, k, v, out, lse);
   p.batch = static_cast<int>(cu_seqlens_q.size(0) - 1);
   p.seqlen_q = static_cast<int>(max_seqlen_q);
   p.seqlen_k = static_cast<int>(max_seqlen_k);
-  p.heads_q = static_cast<int>(q.size(1));
-  p.heads_kv = static_cast<int>(k.size(1));
-  p.head_dim = static_cast<int>(q.size(2));
-  p.dtype = to_dtype(q.scalar_type());
   p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
   p.cu_seqlens_k = cu_seqlens_k.data_ptr<int32_t>();
   p.lse_batch_stride = 0;
