@@ -268,7 +268,6 @@ void set_options(FwdParams& p, const AttentionOptions& o, const std::optional<at
   p.scale_log2 = static_cast<float>(o.softmax_scale * M_LOG2E);
   p.window_left = static_cast<int>(o.window_left);
   p.window_right = static_cast<int>(effective_window_right(o));
-  p.causal = p.window_right == 0;
   p.softcap = static_cast<float>(o.softcap);
   if (alibi_slopes.has_value()) {
     p.alibi_slopes = alibi_slopes->data_ptr<float>();
@@ -315,7 +314,6 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
   p.seqlen_k = static_cast<int>(k.size(1));
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  p.causal = causal;
   p.window_right = causal ? 0 : FwdParams::kUnbounded;
   p.lse_batch_stride = p.heads_q * static_cast<int64_t>(p.seqlen_q);
   p.lse_head_stride = p.seqlen_q;
