@@ -216,7 +216,6 @@ EOF
       if [ "$tool_rc" = 0 ]; then sanitize_status+="$tool clean; "; else sanitize_status+="$tool FAILED (rc $tool_rc); "; test_rc=2; fi
     done
     echo "sanitize: $sanitize_status"
-  echo "features: $features_status"
   fi
 
   # ---------------------------------------------------------------- benchmark
@@ -275,6 +274,7 @@ EOF
   echo "pytest:   $test_status"
   echo "          $test_line"
   echo "sanitize: $sanitize_status"
+  echo "features: $features_status"
   echo "bench:    $bench_status"
   if [ -s "$OUT/bench_table.txt" ]; then
     echo
