@@ -38,72 +38,76 @@ void check_qkv_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const auto dtype = q.scalar_type();
   const bool is_cuda = q.is_cuda();
   FLASH_EXT_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || (dtype == at::kFloat && !is_cuda),
-              "flash_ext: q has dtype ", dtype, "; expected float16 or bfloat16",
-              is_cuda ? " on CUDA" : " (or float32 on the CPU)");
-  FLASH_EXT_CHECK(k.scalar_type() == dtype, "flash_ext: k has dtype ", k.scalar_type(),
-              " but q has ", dtype, "; q, k and v must share one dtype");
-  FLASH_EXT_CHECK(v.scalar_type() == dtype, "flash_ext: v has dtype ", v.scalar_type(),
-              " but q has ", dtype, "; q, k and v must share one dtype");
+                  "flash_ext: q has dtype ", dtype, "; expected float16 or bfloat16",
+                  is_cuda ? " on CUDA" : " (or float32 on the CPU)");
+  FLASH_EXT_CHECK(k.scalar_type() == dtype, "flash_ext: k has dtype ", k.scalar_type(), " but q has ", dtype,
+                  "; q, k and v must share one dtype");
+  FLASH_EXT_CHECK(v.scalar_type() == dtype, "flash_ext: v has dtype ", v.scalar_type(), " but q has ", dtype,
+                  "; q, k and v must share one dtype");
   FLASH_EXT_CHECK(k.device() == q.device(), "flash_ext: k is on ", k.device(), " but q is on ", q.device(),
-              "; q, k and v must be on one device");
+                  "; q, k and v must be on one device");
   FLASH_EXT_CHECK(v.device() == q.device(), "flash_ext: v is on ", v.device(), " but q is on ", q.device(),
-              "; q, k and v must be on one device");
+                  "; q, k and v must be on one device");
 
-  FLASH_EXT_CHECK(k.sizes() == v.sizes(), "flash_ext: k and v must have the same shape, got k ", k.sizes(),
-              " and v ", v.sizes());
+  FLASH_EXT_CHECK(k.sizes() == v.sizes(), "flash_ext: k and v must have the same shape, got k ", k.sizes(), " and v ",
+                  v.sizes());
   FLASH_EXT_CHECK(k.size(-1) == q.size(-1), "flash_ext: k has head_dim ", k.size(-1), " but q has head_dim ",
-              q.size(-1), "; q, k and v must share head_dim");
+                  q.size(-1), "; q, k and v must share head_dim");
   const int64_t head_dim = q.size(-1);
   FLASH_EXT_CHECK(head_dim >= 1 && head_dim <= 256, "flash_ext: head_dim (last dimension of q) must be in 1..256, got ",
-              head_dim);
+                  head_dim);
   const int64_t heads_q = q.size(-2), heads_kv = k.size(-2);
   FLASH_EXT_CHECK(heads_kv >= 1 && heads_q % heads_kv == 0, "flash_ext: heads_q (q.size(", q.dim() - 2, ") = ", heads_q,
-              ") must be a multiple of heads_kv (k.size(", k.dim() - 2, ") = ", heads_kv, ")");
+                  ") must be a multiple of heads_kv (k.size(", k.dim() - 2, ") = ", heads_kv, ")");
 }
 
 // Dense batch: q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim).
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   FLASH_EXT_CHECK(q.dim() == 4, "flash_ext: q must have 4 dimensions (batch, seqlen_q, heads_q, head_dim), got ",
-              q.dim(), " (shape ", q.sizes(), ")");
+                  q.dim(), " (shape ", q.sizes(), ")");
   FLASH_EXT_CHECK(k.dim() == 4, "flash_ext: k must have 4 dimensions (batch, seqlen_k, heads_kv, head_dim), got ",
-              k.dim(), " (shape ", k.sizes(), ")");
+                  k.dim(), " (shape ", k.sizes(), ")");
   FLASH_EXT_CHECK(v.dim() == 4, "flash_ext: v must have 4 dimensions (batch, seqlen_k, heads_kv, head_dim), got ",
-              v.dim(), " (shape ", v.sizes(), ")");
+                  v.dim(), " (shape ", v.sizes(), ")");
   check_qkv_common(q, k, v);
   FLASH_EXT_CHECK(k.size(0) == q.size(0), "flash_ext: k has batch ", k.size(0), " but q has batch ", q.size(0));
   const int64_t heads_q = q.size(2);
   if (q.is_cuda()) {
     FLASH_EXT_CHECK(q.size(0) * std::max<int64_t>(1, heads_q) <= std::numeric_limits<int32_t>::max() &&
-                    q.size(1) <= std::numeric_limits<int32_t>::max() && k.size(1) <= std::numeric_limits<int32_t>::max(),
-                "flash_ext: batch * heads and seqlens must each fit in int32");
+                        q.size(1) <= std::numeric_limits<int32_t>::max() &&
+                        k.size(1) <= std::numeric_limits<int32_t>::max(),
+                    "flash_ext: batch * heads and seqlens must each fit in int32");
   }
 }
 
 // Variable-length batch: q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim).
 void check_qkv_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  FLASH_EXT_CHECK(q.dim() == 3, "flash_ext: q must have 3 dimensions (total_q, heads_q, head_dim) for attention_varlen, got ",
-              q.dim(), " (shape ", q.sizes(), ")");
-  FLASH_EXT_CHECK(k.dim() == 3, "flash_ext: k must have 3 dimensions (total_k, heads_kv, head_dim) for attention_varlen, got ",
-              k.dim(), " (shape ", k.sizes(), ")");
-  FLASH_EXT_CHECK(v.dim() == 3, "flash_ext: v must have 3 dimensions (total_k, heads_kv, head_dim) for attention_varlen, got ",
-              v.dim(), " (shape ", v.sizes(), ")");
+  FLASH_EXT_CHECK(q.dim() == 3,
+                  "flash_ext: q must have 3 dimensions (total_q, heads_q, head_dim) for attention_varlen, got ",
+                  q.dim(), " (shape ", q.sizes(), ")");
+  FLASH_EXT_CHECK(k.dim() == 3,
+                  "flash_ext: k must have 3 dimensions (total_k, heads_kv, head_dim) for attention_varlen, got ",
+                  k.dim(), " (shape ", k.sizes(), ")");
+  FLASH_EXT_CHECK(v.dim() == 3,
+                  "flash_ext: v must have 3 dimensions (total_k, heads_kv, head_dim) for attention_varlen, got ",
+                  v.dim(), " (shape ", v.sizes(), ")");
   check_qkv_common(q, k, v);
   FLASH_EXT_CHECK(q.size(0) <= std::numeric_limits<int32_t>::max() && k.size(0) <= std::numeric_limits<int32_t>::max(),
-              "flash_ext: total_q and total_k must fit in int32 (cu_seqlens are int32), got ", q.size(0), " and ",
-              k.size(0));
+                  "flash_ext: total_q and total_k must fit in int32 (cu_seqlens are int32), got ", q.size(0), " and ",
+                  k.size(0));
 }
 
 // cu_seqlens_q / cu_seqlens_k: what can be checked without reading the values (no device-to-host
 // copy): int32, 1-D, batch + 1 entries, on q's device.
 void check_cu_seqlens(const at::Tensor& cu_seqlens, const char* name, int64_t batch, const at::Tensor& q) {
   FLASH_EXT_CHECK(cu_seqlens.scalar_type() == at::kInt, "flash_ext: ", name, " must be int32, got ",
-              cu_seqlens.scalar_type());
+                  cu_seqlens.scalar_type());
   FLASH_EXT_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, "flash_ext: ", name,
-              " must be 1-D with batch + 1 entries, got shape ", cu_seqlens.sizes());
+                  " must be 1-D with batch + 1 entries, got shape ", cu_seqlens.sizes());
   FLASH_EXT_CHECK(cu_seqlens.size(0) == batch + 1, "flash_ext: ", name, " has ", cu_seqlens.size(0),
-              " entries but cu_seqlens_q has ", batch + 1, "; both must have batch + 1 entries");
+                  " entries but cu_seqlens_q has ", batch + 1, "; both must have batch + 1 entries");
   FLASH_EXT_CHECK(cu_seqlens.device() == q.device(), "flash_ext: ", name, " is on ", cu_seqlens.device(),
-              " but q is on ", q.device());
+                  " but q is on ", q.device());
 }
 
 // The values of a host-resident cu_seqlens: starts at 0, never decreases, ends at `total`, and no
@@ -118,18 +122,18 @@ void check_cu_seqlens_values(const at::Tensor& cu_seqlens, const char* name, int
   FLASH_EXT_CHECK(values[0] == 0, "flash_ext: ", name, "[0] must be 0, got ", values[0]);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t length = static_cast<int64_t>(values[b + 1]) - values[b];
-    FLASH_EXT_CHECK(length >= 0, "flash_ext: ", name, " must be non-decreasing, but ", name, "[", b + 1, "] = ",
-                values[b + 1], " < ", name, "[", b, "] = ", values[b]);
-    FLASH_EXT_CHECK(length <= max_seqlen, "flash_ext: sequence ", b, " has length ", length, " (from ", name,
-                ") but ", max_name, " is ", max_seqlen, "; ", max_name, " must be at least the longest sequence");
+    FLASH_EXT_CHECK(length >= 0, "flash_ext: ", name, " must be non-decreasing, but ", name, "[", b + 1,
+                    "] = ", values[b + 1], " < ", name, "[", b, "] = ", values[b]);
+    FLASH_EXT_CHECK(length <= max_seqlen, "flash_ext: sequence ", b, " has length ", length, " (from ", name, ") but ",
+                    max_name, " is ", max_seqlen, "; ", max_name, " must be at least the longest sequence");
   }
   FLASH_EXT_CHECK(values[batch] == total, "flash_ext: ", name, "[-1] must equal ", total_name, " = ", total, ", got ",
-              values[batch]);
+                  values[batch]);
 }
 
 void check_softmax_scale(double softmax_scale) {
   FLASH_EXT_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
-              "flash_ext: softmax_scale must be a finite positive number, got ", softmax_scale);
+                  "flash_ext: softmax_scale must be a finite positive number, got ", softmax_scale);
 }
 
 // The arguments that choose what is computed, beyond q, k and v: shared by the dense and the
@@ -141,7 +145,7 @@ struct AttentionOptions {
   int64_t window_right;  // -1: unbounded
   double softcap;        // 0: off
   const std::optional<at::Tensor>& alibi_slopes;
-  double dropout_p;      // 0: off
+  double dropout_p;  // 0: off
 };
 
 // `batch`: the number of (dense or packed) sequences, which a (batch, heads_q) alibi_slopes must match.
@@ -149,25 +153,25 @@ void check_options(const AttentionOptions& o, const at::Tensor& q, int64_t batch
   check_softmax_scale(o.softmax_scale);
   const int64_t int_max = std::numeric_limits<int>::max();
   FLASH_EXT_CHECK(o.window_left >= -1 && o.window_left <= int_max,
-              "flash_ext: window_size[0] (keys left of the diagonal) must be -1 (unbounded) or >= 0, got ",
-              o.window_left);
+                  "flash_ext: window_size[0] (keys left of the diagonal) must be -1 (unbounded) or >= 0, got ",
+                  o.window_left);
   FLASH_EXT_CHECK(o.window_right >= -1 && o.window_right <= int_max,
-              "flash_ext: window_size[1] (keys right of the diagonal) must be -1 (unbounded) or >= 0, got ",
-              o.window_right);
+                  "flash_ext: window_size[1] (keys right of the diagonal) must be -1 (unbounded) or >= 0, got ",
+                  o.window_right);
   FLASH_EXT_CHECK(std::isfinite(o.softcap) && o.softcap >= 0,
-              "flash_ext: softcap must be 0 (off) or a finite positive number, got ", o.softcap);
+                  "flash_ext: softcap must be 0 (off) or a finite positive number, got ", o.softcap);
   FLASH_EXT_CHECK(o.dropout_p >= 0 && o.dropout_p < 1, "flash_ext: dropout_p must be in [0, 1), got ", o.dropout_p);
   if (o.alibi_slopes.has_value()) {
     const at::Tensor& slopes = *o.alibi_slopes;
     const int64_t heads_q = q.size(-2);
     FLASH_EXT_CHECK(slopes.scalar_type() == at::kFloat, "flash_ext: alibi_slopes must be float32, got ",
-                slopes.scalar_type());
+                    slopes.scalar_type());
     FLASH_EXT_CHECK(slopes.device() == q.device(), "flash_ext: alibi_slopes is on ", slopes.device(), " but q is on ",
-                q.device());
+                    q.device());
     const bool per_head = slopes.dim() == 1 && slopes.size(0) == heads_q;
     const bool per_batch_and_head = slopes.dim() == 2 && slopes.size(0) == batch && slopes.size(1) == heads_q;
     FLASH_EXT_CHECK(per_head || per_batch_and_head, "flash_ext: alibi_slopes must have shape (heads_q,) = (", heads_q,
-                ",) or (batch, heads_q) = (", batch, ", ", heads_q, "), got ", slopes.sizes());
+                    ",) or (batch, heads_q) = (", batch, ", ", heads_q, "), got ", slopes.sizes());
   }
 }
 
@@ -176,10 +180,14 @@ int64_t effective_window_right(const AttentionOptions& o) { return o.causal ? 0 
 
 DType to_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default: FLASH_EXT_CHECK(false, "flash_ext: unsupported dtype ", t);
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    default:
+      FLASH_EXT_CHECK(false, "flash_ext: unsupported dtype ", t);
   }
 }
 
@@ -215,7 +223,8 @@ struct RngState {
 // reproduces a run. See common/philox.h for how the CUDA path will take them.
 RngState draw_rng_state(const at::Device& device) {
   FLASH_EXT_CHECK(device.is_cpu(), "flash_ext: dropout on ", device, " is not supported");
-  auto* generator = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
+  auto* generator =
+      at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
   std::lock_guard<std::mutex> lock(generator->mutex_);
   // The CPU generator (mt19937) has no Philox offset of its own: a fresh seed per call, offset 0.
   return {generator->random64(), 0};
@@ -238,8 +247,8 @@ at::Tensor rng_state_tensor(const RngState& rng, const at::Tensor& q) {
 // only where dropout is on; the CUDA kernels will read it on the device instead.)
 RngState rng_state_values(const at::Tensor& rng_state) {
   FLASH_EXT_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
-              "flash_ext: rng_state must be int64 [seed, offset] (2 elements), got ", rng_state.scalar_type(),
-              " of shape ", rng_state.sizes());
+                  "flash_ext: rng_state must be int64 [seed, offset] (2 elements), got ", rng_state.scalar_type(),
+                  " of shape ", rng_state.sizes());
   const at::Tensor state = rng_state.cpu().contiguous();
   return {static_cast<uint64_t>(state.data_ptr<int64_t>()[0]), static_cast<uint64_t>(state.data_ptr<int64_t>()[1])};
 }
@@ -248,7 +257,7 @@ RngState rng_state_values(const at::Tensor& rng_state) {
 RngState read_rng_state(const std::optional<at::Tensor>& rng_state, double dropout_p) {
   if (dropout_p == 0) return {};
   FLASH_EXT_CHECK(rng_state.has_value(),
-              "flash_ext: the backward with dropout_p > 0 needs rng_state, the forward's third output");
+                  "flash_ext: the backward with dropout_p > 0 needs rng_state, the forward's third output");
   return rng_state_values(*rng_state);
 }
 
@@ -259,7 +268,6 @@ void set_options(FwdParams& p, const AttentionOptions& o, const std::optional<at
   p.scale_log2 = static_cast<float>(o.softmax_scale * M_LOG2E);
   p.window_left = static_cast<int>(o.window_left);
   p.window_right = static_cast<int>(effective_window_right(o));
-  p.causal = p.window_right == 0;
   p.softcap = static_cast<float>(o.softcap);
   if (alibi_slopes.has_value()) {
     p.alibi_slopes = alibi_slopes->data_ptr<float>();
@@ -278,8 +286,9 @@ std::optional<at::Tensor> usable_alibi_slopes(const std::optional<at::Tensor>& a
   return alibi_slopes->stride(-1) == 1 ? *alibi_slopes : alibi_slopes->contiguous();
 }
 
-FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                          const at::Tensor& lse, double softmax_scale, bool causal) {
+// The tensor pointers and strides every FwdParams carries (dense or packed layouts alike).
+FwdParams params_with_tensors(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                              const at::Tensor& lse) {
   FwdParams p;
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -290,16 +299,21 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
   p.k_strides = strides_of(k);
   p.v_strides = strides_of(v);
   p.out_strides = strides_of(out);
+  p.dtype = to_dtype(q.scalar_type());
+  p.head_dim = static_cast<int>(q.size(-1));
+  p.heads_q = static_cast<int>(q.size(-2));
+  p.heads_kv = static_cast<int>(k.size(-2));
+  return p;
+}
+
+FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                          const at::Tensor& lse, double softmax_scale, bool causal) {
+  FwdParams p = params_with_tensors(q, k, v, out, lse);
   p.batch = static_cast<int>(q.size(0));
   p.seqlen_q = static_cast<int>(q.size(1));
-  p.heads_q = static_cast<int>(q.size(2));
-  p.head_dim = static_cast<int>(q.size(3));
   p.seqlen_k = static_cast<int>(k.size(1));
-  p.heads_kv = static_cast<int>(k.size(2));
-  p.dtype = to_dtype(q.scalar_type());
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  p.causal = causal;
   p.window_right = causal ? 0 : FwdParams::kUnbounded;
   p.lse_batch_stride = p.heads_q * static_cast<int64_t>(p.seqlen_q);
   p.lse_head_stride = p.seqlen_q;
@@ -310,23 +324,10 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
 FwdParams make_varlen_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                                  const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                  int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  FwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.q_strides = strides_of(q);
-  p.k_strides = strides_of(k);
-  p.v_strides = strides_of(v);
-  p.out_strides = strides_of(out);
+  FwdParams p = params_with_tensors(q, k, v, out, lse);
   p.batch = static_cast<int>(cu_seqlens_q.size(0) - 1);
   p.seqlen_q = static_cast<int>(max_seqlen_q);
   p.seqlen_k = static_cast<int>(max_seqlen_k);
-  p.heads_q = static_cast<int>(q.size(1));
-  p.heads_kv = static_cast<int>(k.size(1));
-  p.head_dim = static_cast<int>(q.size(2));
-  p.dtype = to_dtype(q.scalar_type());
   p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
   p.cu_seqlens_k = cu_seqlens_k.data_ptr<int32_t>();
   p.lse_batch_stride = 0;
@@ -338,14 +339,14 @@ FwdParams make_varlen_fwd_params(const at::Tensor& q, const at::Tensor& k, const
 void check_bwd_tensors(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
                        at::IntArrayRef lse_shape, const char* lse_layout) {
   FLASH_EXT_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type() && dout.device() == q.device(),
-              "flash_ext: dout must match q in shape, dtype and device, got ", dout.sizes(), " ", dout.scalar_type(),
-              " on ", dout.device());
+                  "flash_ext: dout must match q in shape, dtype and device, got ", dout.sizes(), " ",
+                  dout.scalar_type(), " on ", dout.device());
   FLASH_EXT_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.device() == q.device(),
-              "flash_ext: out must match q in shape, dtype and device, got ", out.sizes(), " ", out.scalar_type(),
-              " on ", out.device());
+                  "flash_ext: out must match q in shape, dtype and device, got ", out.sizes(), " ", out.scalar_type(),
+                  " on ", out.device());
   FLASH_EXT_CHECK(lse.scalar_type() == at::kFloat && lse.device() == q.device() && lse.sizes() == lse_shape,
-              "flash_ext: lse must be float32 of shape ", lse_layout, " on q's device, got ", lse.sizes(),
-              " ", lse.scalar_type(), " on ", lse.device());
+                  "flash_ext: lse must be float32 of shape ", lse_layout, " on q's device, got ", lse.sizes(), " ",
+                  lse.scalar_type(), " on ", lse.device());
 }
 
 void check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -382,7 +383,7 @@ BwdParams make_bwd_params(const at::Tensor& dout, const at::Tensor& q, const at:
 // The number of sequences, from cu_seqlens_q's size.
 int64_t varlen_batch(const at::Tensor& cu_seqlens_q) {
   FLASH_EXT_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) >= 1,
-              "flash_ext: cu_seqlens_q must be 1-D with batch + 1 entries, got shape ", cu_seqlens_q.sizes());
+                  "flash_ext: cu_seqlens_q must be 1-D with batch + 1 entries, got shape ", cu_seqlens_q.sizes());
   return cu_seqlens_q.size(0) - 1;
 }
 
@@ -395,9 +396,9 @@ void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
   check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q);
   const int64_t int_max = std::numeric_limits<int32_t>::max();
   FLASH_EXT_CHECK(max_seqlen_q >= 0 && max_seqlen_q <= int_max, "flash_ext: max_seqlen_q must be in 0..2^31-1, got ",
-              max_seqlen_q);
+                  max_seqlen_q);
   FLASH_EXT_CHECK(max_seqlen_k >= 0 && max_seqlen_k <= int_max, "flash_ext: max_seqlen_k must be in 0..2^31-1, got ",
-              max_seqlen_k);
+                  max_seqlen_k);
 }
 
 // The value checks, for cu_seqlens in host memory (see check_cu_seqlens_values).
@@ -434,11 +435,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_in, c
   return {out, lse, rng_state};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-    const at::Tensor& out_in, const at::Tensor& lse, double softmax_scale, bool causal, bool deterministic,
-    int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes_in,
-    double dropout_p, const std::optional<at::Tensor>& rng_state) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                       const at::Tensor& k_in, const at::Tensor& v_in,
+                                                       const at::Tensor& out_in, const at::Tensor& lse,
+                                                       double softmax_scale, bool causal, bool deterministic,
+                                                       int64_t window_left, int64_t window_right, double softcap,
+                                                       const std::optional<at::Tensor>& alibi_slopes_in,
+                                                       double dropout_p, const std::optional<at::Tensor>& rng_state) {
   check_bwd_inputs(dout_in, q_in, k_in, v_in, out_in, lse, softmax_scale);
   const AttentionOptions options{softmax_scale, causal, window_left, window_right, softcap, alibi_slopes_in, dropout_p};
   check_options(options, q_in, q_in.size(0));
@@ -513,8 +516,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
 at::Tensor dropout_keep_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t heads, int64_t seqlen_q,
                                  int64_t seqlen_k, double dropout_p) {
   FLASH_EXT_CHECK(batch >= 0 && heads >= 0 && seqlen_q >= 0 && seqlen_k >= 0,
-              "flash_ext: dropout_keep_mask sizes must be >= 0, got ", batch, ", ", heads, ", ", seqlen_q, ", ",
-              seqlen_k);
+                  "flash_ext: dropout_keep_mask sizes must be >= 0, got ", batch, ", ", heads, ", ", seqlen_q, ", ",
+                  seqlen_k);
   FLASH_EXT_CHECK(dropout_p >= 0 && dropout_p < 1, "flash_ext: dropout_p must be in [0, 1), got ", dropout_p);
   const RngState rng = rng_state_values(rng_state);
   at::Tensor mask = at::empty({batch, heads, seqlen_q, seqlen_k}, rng_state.options().dtype(at::kBool));
@@ -546,7 +549,7 @@ at::Tensor unpad_head_dim(const at::Tensor& t, int64_t head_dim) {
 // silently compute something different.
 void check_cuda_supports(const AttentionOptions& o) {
   FLASH_EXT_CHECK(o.dropout_p == 0, "flash_ext: dropout (dropout_p=", o.dropout_p,
-              ") is not supported by the CUDA kernels yet; run on the CPU, or leave it off on CUDA (dropout_p=0)");
+                  ") is not supported by the CUDA kernels yet; run on the CPU, or leave it off on CUDA (dropout_p=0)");
 }
 
 void check_sm80(const at::Tensor& q) {
@@ -554,7 +557,7 @@ void check_sm80(const at::Tensor& q) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.device().index()));
   FLASH_EXT_CHECK(major >= 8, "flash_ext: the CUDA kernels need compute capability 8.0 or newer (Ampere+); device ",
-              q.device(), " is ", major, ".", minor);
+                  q.device(), " is ", major, ".", minor);
 }
 
 // cu_seqlens of a varlen call (nullptr tensors for a dense call).
@@ -671,11 +674,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, con
   return fwd_cuda_impl(q, k, v, options, VarlenArgs{});
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, double softmax_scale, bool causal, bool deterministic, int64_t window_left,
-    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
-    const std::optional<at::Tensor>& /*rng_state*/) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout, const at::Tensor& q,
+                                                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                                        const at::Tensor& lse, double softmax_scale, bool causal,
+                                                        bool deterministic, int64_t window_left, int64_t window_right,
+                                                        double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                                        double dropout_p,
+                                                        const std::optional<at::Tensor>& /*rng_state*/) {
   check_bwd_inputs(dout, q, k, v, out, lse, softmax_scale);
   const AttentionOptions options{softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p};
   check_options(options, q, q.size(0));
@@ -719,8 +724,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
 // The options every op shares, in schema form. window_left / window_right are window_size's two
 // sides (-1: unbounded); causal=True clamps window_right to 0. softcap 0, alibi_slopes None and
 // dropout_p 0 turn those features off.
-#define FLASH_EXT_OPTIONS_SCHEMA                                                            \
-  "float softmax_scale, bool causal, bool deterministic=False, int window_left=-1, "        \
+#define FLASH_EXT_OPTIONS_SCHEMA                                                     \
+  "float softmax_scale, bool causal, bool deterministic=False, int window_left=-1, " \
   "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, float dropout_p=0.0"
 
 TORCH_LIBRARY(flash_ext, m) {
@@ -735,15 +740,18 @@ TORCH_LIBRARY(flash_ext, m) {
   // Variable-length batch: sequences packed along the first dimension, q (total_q, heads_q,
   // head_dim), k and v (total_k, heads_kv, head_dim), lse (heads_q, total_q); cu_seqlens_* are
   // the int32 prefix sums of the lengths (batch + 1 entries), max_seqlen_* the longest lengths.
-  m.def("varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-        "int max_seqlen_k, " FLASH_EXT_OPTIONS_SCHEMA ") -> (Tensor out, Tensor lse, Tensor rng_state)");
-  m.def("varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
-        "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, " FLASH_EXT_OPTIONS_SCHEMA
-        ", Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, " FLASH_EXT_OPTIONS_SCHEMA ") -> (Tensor out, Tensor lse, Tensor rng_state)");
+  m.def(
+      "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, " FLASH_EXT_OPTIONS_SCHEMA
+      ", Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   // Testing: the keep mask (true = kept) a forward with this rng_state applies, (batch, heads_q,
   // seqlen_q, seqlen_k) bool, on rng_state's device (the CPU).
-  m.def("dropout_keep_mask(Tensor rng_state, int batch, int heads, int seqlen_q, int seqlen_k, float dropout_p) "
-        "-> Tensor");
+  m.def(
+      "dropout_keep_mask(Tensor rng_state, int batch, int heads, int seqlen_q, int seqlen_k, float dropout_p) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flash_ext, CPU, m) {

@@ -72,13 +72,11 @@ struct FwdParams {
 
   // ---- Which keys a query sees: a band around the diagonal ----
   // Query i sees key j iff  i + len_k - len_q - window_left <= j <= i + len_k - len_q + window_right,
-  // where kUnbounded (-1) lifts that side. Causal is window_right == 0; flash_api.cpp sets
-  // window_right = 0 for causal=True and then `causal` = (window_right == 0), which is all the
-  // existing CUDA kernels read (they support window_left == kUnbounded only).
+  // where kUnbounded (-1) lifts that side. Causal is window_right == 0 (flash_api.cpp sets it for
+  // causal=True); kernels see only the band (common/band_mask.cuh, the CPU path's visible_keys).
   static constexpr int kUnbounded = -1;
   int window_left = kUnbounded;
   int window_right = kUnbounded;
-  bool causal = false;             // window_right == 0: query i sees no key j > i + seqlen_k - seqlen_q
 
   // ---- Score modifiers, applied in this order to s = softmax_scale * q.k ----
   float softcap = 0.f;                    // > 0: s = softcap * tanh(s / softcap); 0: off
@@ -101,8 +99,6 @@ struct FwdParams {
   int64_t lse_head_stride = 0;     // dense: seqlen_q;           varlen: total_q
 
   FLASH_EXT_HOST_DEVICE int heads_per_kv() const { return heads_q / heads_kv; }
-  // Causal: the last key that query row `row` may see (can be negative: the row sees nothing).
-  FLASH_EXT_HOST_DEVICE int64_t causal_last_key(int64_t row) const { return row + seqlen_k - seqlen_q; }
 
   FLASH_EXT_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FLASH_EXT_HOST_DEVICE bool has_dropout() const { return dropout_p > 0.f; }
@@ -158,7 +154,7 @@ struct BwdParams : FwdParams {
   void* dv = nullptr;
   TensorStrides dout_strides, dq_strides, dk_strides, dv_strides;
 
-  float* softmax_d = nullptr;  // D = rowsum(dout * out), (batch, heads_q, seqlen_q), fp32 scratch (CUDA)
+  float* softmax_d = nullptr;  // D = rowsum(dout * out), fp32 scratch in lse's layout (CUDA)
   // CUDA, deterministic = false: dQ summed with fp32 atomics into this zeroed buffer,
   // (batch, seqlen_q, heads_q, head_dim) contiguous, then scaled and rounded into dq.
   // nullptr: dQ by a separate atomic-free pass.

@@ -13,6 +13,8 @@
 #   --no-bench      build and test only
 #   --sanitize      after the tests, run scripts/sanitize.py under compute-sanitizer memcheck and
 #                   racecheck (sanitize.log; a finding counts as a test failure)
+#   --features      after the benchmark, benchmarks/bench_features.py (varlen, window, softcap, ALiBi;
+#                   features.json/.txt) and benchmarks/memory_scaling.py (memory.json/.txt)
 #   -- ARGS         passed on to benchmarks/bench_attention.py (e.g. -- --ops fwd --head-dims 64)
 #
 # Environment: OUT (default /tmp/flash_ext_out), PYTHON (python3), MAX_JOBS (16),
@@ -39,6 +41,7 @@ SKIP_BUILD=0
 SKIP_TESTS=0
 NO_BENCH=0
 SANITIZE=0
+FEATURES=0
 BENCH_EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -49,6 +52,7 @@ while [ $# -gt 0 ]; do
     --skip-tests) SKIP_TESTS=1 ;;
     --no-bench) NO_BENCH=1 ;;
     --sanitize) SANITIZE=1 ;;
+    --features) FEATURES=1 ;;
     --) shift; BENCH_EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (try --help)" >&2; exit 64 ;;
@@ -244,6 +248,24 @@ EOF
     esac
   fi
 
+  # ---------------------------------------------------------------- feature benchmark, memory
+  local features_status="skipped"
+  if [ "$FEATURES" = 1 ] && [ "$build_rc" = 0 ]; then
+    section "features and memory"
+    features_status=""
+    local script name
+    for script in bench_features memory_scaling; do
+      name=$([ "$script" = bench_features ] && echo features || echo memory)
+      set +e
+      PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 "$(min 240 $(($(remaining) - 20)))" \
+        "$PY" "benchmarks/$script.py" --json "$OUT/$name.json" >"$OUT/$name.txt" 2>&1
+      local script_rc=$?
+      set -e
+      cat "$OUT/$name.txt"
+      if [ "$script_rc" = 0 ]; then features_status+="$script ok; "; else features_status+="$script FAILED (rc $script_rc); "; fi
+    done
+  fi
+
   # ---------------------------------------------------------------- summary
   section "summary"
   echo "gpu:      $("$PY" -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null || echo '?')  archs $FLASH_EXT_CUDA_ARCHS"
@@ -252,6 +274,7 @@ EOF
   echo "pytest:   $test_status"
   echo "          $test_line"
   echo "sanitize: $sanitize_status"
+  echo "features: $features_status"
   echo "bench:    $bench_status"
   if [ -s "$OUT/bench_table.txt" ]; then
     echo

@@ -12,8 +12,8 @@ namespace flash_ext::sm80 {
 
 // Query-block buffers of the dK/dV kernel: 2 (the next block's Q and dO load while this one
 // computes) unless the second buffer costs a CTA per SM or does not fit. With 8 warps of up to
-// 255 registers only one CTA fits per SM anyway, so e.g. on an H200 (227 KB per block) head_dim
-// <= 128 double-buffers and 160-256 do not; on an A100 (163 KB) head_dim <= 128 does too.
+// 255 registers only one CTA fits per SM anyway, so it is a question of fitting: on an H200 (227 KB
+// per block) head_dim <= 192 double-buffers and 224, 256 do not; on an A100 (163 KB) head_dim <= 128.
 template <typename Tile>
 int dkdv_stages() {
   int device = 0, smem_per_sm = 0, smem_per_block = 0;
