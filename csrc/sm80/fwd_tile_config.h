@@ -40,9 +40,8 @@ struct FwdTile {
 //   memory feeds at the mma.sync rate (128 B/clk/SM); with 32 rows ~160.
 // - Registers: per thread, the O accumulator is rows_per_warp * head_dim / 32 floats and the
 //   score tile rows_per_warp * kBlockN / 32. 32-row warps fit up to head_dim 128 with
-//   kBlockN = 64 (ptxas, CUDA 13.0, sm_90a: 255 registers at hd128, no spills with four copies of
-//   the key-block body; the fifth, the left-window loop of fwd_kernel.cuh, makes it spill 304 B:
-//   branch next/fwd-block-schedule folds it back into one masked loop); above that warps own 16 rows.
+//   kBlockN = 64 (ptxas, CUDA 13.0, sm_90a: 254 registers at hd128, no spills, with four copies of
+//   the key-block body in fwd_kernel.cuh; a fifth made it spill 304 B); above that warps own 16 rows.
 // Measured (benchmarks/tune_fwd_tiles.cu, H200, bf16, 16k tokens, hidden 2048, 2026-11-30;
 // TFLOP/s at seqlen 2k / 8k, non-causal):
 //   hd64:  M128 N64 W4 300 / 311    M128 N128 W4 301 / 314 (causal 2k: 269 vs 259)
