@@ -175,6 +175,11 @@ def merge_rows(old_rows, new_rows):
     return sorted(merged.values(), key=row_sort_key)
 
 
+def stamp_commit(rows, commit):
+    """Rows that say which commit they were measured at (a merged file mixes commits)."""
+    return [row if row.get("commit") else dict(row, commit=commit) for row in rows]
+
+
 def git_commit():
     env = os.environ.get("FLASH_EXT_COMMIT")
     if env:
@@ -236,7 +241,8 @@ class Outputs:
         if self.args.json:
             write_json(self.args.json, self.meta, rows)
         if self.args.merge:
-            write_json(self.args.merge, self.meta, merge_rows(self.merge_base, rows))
+            write_json(self.args.merge, self.meta,
+                       merge_rows(self.merge_base, stamp_commit(rows, self.meta.get("commit"))))
 
     def rows_for_plot(self, rows):
         return merge_rows(self.merge_base, rows) if self.args.merge else rows
@@ -308,7 +314,7 @@ def main_from_json(args):
     for path in args.from_json:
         data = load_json(path)
         meta = {k: v for k, v in data.items() if k != "rows"}
-        rows = merge_rows(rows, data["rows"])
+        rows = merge_rows(rows, stamp_commit(data["rows"], meta.get("commit")))
     outputs = Outputs(args, meta)
     finish(args, meta, rows, outputs)
     return 0
