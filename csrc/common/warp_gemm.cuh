@@ -99,6 +99,37 @@ __device__ __forceinline__ void gemm_rs_ab(float (&acc)[kMTiles][kNTiles][4],
   }
 }
 
+// acc += A · B with both operands in shared memory: A (kMTiles*16 rows x kKSteps*16) stored row-major,
+// or, with kATransposed, stored as its transpose (the tile's rows are k, contiguous along A's rows;
+// address from a_transposed_lane_address); B's rows run along k, as in gemm_rs_ab.
+template <typename Element, int kMTiles, int kNTiles, int kKSteps, int kAPitch, int kBPitch, bool kATransposed>
+__device__ __forceinline__ void gemm_smem_ab(float (&acc)[kMTiles][kNTiles][4], uint32_t a_lane_addr,
+                                             uint32_t b_lane_addr) {
+  static_assert(kNTiles % 2 == 0, "B fragments are loaded two n-tiles at a time");
+#pragma unroll
+  for (int kstep = 0; kstep < kKSteps; ++kstep) {
+    uint32_t a_frag[kMTiles][4];
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+      if constexpr (kATransposed) {
+        ldmatrix_x4_trans(a_frag[mi], a_lane_addr + (kstep * 16 * kAPitch + mi * 16) * sizeof(Element));
+      } else {
+        ldmatrix_x4(a_frag[mi], a_lane_addr + (mi * 16 * kAPitch + kstep * 16) * sizeof(Element));
+      }
+    }
+#pragma unroll
+    for (int nj = 0; nj < kNTiles; nj += 2) {
+      uint32_t b_frag[4];
+      ldmatrix_x4_trans(b_frag, b_lane_addr + (kstep * 16 * kBPitch + nj * 8) * sizeof(Element));
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        mma_m16n8k16<Element>(acc[mi][nj], a_frag[mi], b_frag[0], b_frag[1]);
+        mma_m16n8k16<Element>(acc[mi][nj + 1], a_frag[mi], b_frag[2], b_frag[3]);
+      }
+    }
+  }
+}
+
 // An accumulator (rows x kNTiles*8) rounded to 16 bits as the A operand of a following mma:
 // accumulator n-tiles (2j, 2j+1) of a row block are exactly A's k-step j (registers d0d1 ->
 // a0 / a2, d2d3 -> a1 / a3). This is how P (and dS) go from one GEMM to the next in registers.

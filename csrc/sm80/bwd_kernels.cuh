@@ -8,10 +8,10 @@
 //   1. preprocess: D for every query row;
 //   2. dK/dV: a CTA per (key block, kv head) keeps K and V in shared memory, walks every query
 //      block (and every query head of its GQA group) that can see them, and accumulates dK and
-//      dV in registers. Its warps own 16 keys each and compute the transposed tiles Sᵀ = K·Qᵀ
-//      and dPᵀ = V·dOᵀ, whose accumulators are directly the A operands of dV += Pᵀ·dO and
-//      dK += dSᵀ·Q. With deterministic = false it also computes dQ += dS·K from a shared copy
-//      of dSᵀ and adds it into an fp32 buffer with atomics (FlashAttention-2's 5 GEMMs);
+//      dV in registers. Per query block it computes the transposed tiles Sᵀ = K·Qᵀ and
+//      dPᵀ = V·dOᵀ, puts Pᵀ and dSᵀ in shared memory, and from there dV += Pᵀ·dO, dK += dSᵀ·Q
+//      and, with deterministic = false, dQ += dS·K, added into an fp32 buffer with atomics
+//      (FlashAttention-2's 5 GEMMs; warp tiles in bwd_tile_config.h);
 //   3. deterministic = false: dQ = scale · buffer, rounded (convert kernel);
 //      deterministic = true: a dQ kernel per query block recomputes S and dP against the key
 //      blocks it sees and accumulates dQ in registers: 7 GEMMs instead of 5, no atomics, so the
@@ -65,23 +65,22 @@ __global__ void __launch_bounds__(256)
   if (lane == 0) params.softmax_d[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = sum;
 }
 
-// Dropout keep bits of the dK/dV kernel's thread: its two keys (rows of Pᵀ) x its 16 query columns,
-// bit 16 * half + 2 * nj + e for key thread_key + 8 * half and query first_query + nj * 8 + 2 * (lane % 4)
-// + e. The element (query i, key j) is word j % 4 of the Philox call for (row i, columns j / 4): one
-// call per element here (the calls run in a loop that is not unrolled, to keep registers).
-template <int kNTilesQ>
-__device__ __forceinline__ uint32_t dkdv_keep_bits(const BwdParams& params, int batch, int head, int first_query,
+// Dropout keep bits of a dK/dV-kernel thread's score elements (phase 1 layout): bit
+// ((mi * 2 + half) * kNTiles + nj) * 2 + e for key thread_key + 16 mi + 8 half and query
+// thread_query + 8 nj + e. The element (query i, key j) is word j % 4 of the Philox call for
+// (row i, columns j / 4): one call per element here (in a loop that is not unrolled, to keep
+// registers).
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ uint32_t dkdv_keep_bits(const BwdParams& params, int batch, int head, int thread_query,
                                                    int thread_key) {
-  static_assert(2 * 2 * kNTilesQ <= 32, "one 32-bit keep mask");
+  static_assert(kMTiles * 2 * kNTiles * 2 <= 32, "one 32-bit keep mask");
   const PhiloxSeedOffset rng = philox_seed_offset(params);
   const uint64_t batch_head = static_cast<uint64_t>(batch) * params.heads_q + head;
-  const int lane = threadIdx.x % 32;
   uint32_t bits = 0;
 #pragma unroll 1
-  for (int i = 0; i < 4 * kNTilesQ; ++i) {  // i = (half, nj, e)
-    const int half = i / (2 * kNTilesQ), nj = i / 2 % kNTilesQ, e = i % 2;
-    const int key = thread_key + 8 * half;
-    const int query = first_query + nj * 8 + 2 * (lane % 4) + e;
+  for (int i = 0; i < kMTiles * 2 * kNTiles * 2; ++i) {  // i = (mi, half, nj, e)
+    const int key = thread_key + 8 * (i / (2 * kNTiles));  // 16 mi + 8 half = 8 (i / (2 kNTiles))
+    const int query = thread_query + i / 2 % kNTiles * 8 + i % 2;
     const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, query, key / 4);
     const uint32_t word = key % 4 == 0 ? words.w[0] : key % 4 == 1 ? words.w[1] : key % 4 == 2 ? words.w[2] : words.w[3];
     bits |= (dropout_keeps(word, params.dropout_threshold) ? 1u : 0u) << i;
@@ -94,6 +93,7 @@ enum class KvGrads { kBoth, kOnlyDv, kOnlyDk };
 
 // num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (dkdv_stages).
 // kExtras: softcap, ALiBi or dropout is on (common/score_mod.cuh, common/philox.h).
+// The three phases per query block and their warp tiles: BwdDkDvTile.
 template <typename Tile, KvGrads kGrads, typename Element, bool kExtras>
 __global__ void __launch_bounds__(Tile::kThreads)
     attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params, const int num_stages) {
@@ -102,18 +102,23 @@ __global__ void __launch_bounds__(Tile::kThreads)
   constexpr int kDsPitch = Tile::kDsRowPitch;
   constexpr int kBlockKeys = Tile::kBlockKeys;
   constexpr int kBlockQueries = Tile::kBlockQueries;
-  constexpr int kNTilesQ = kBlockQueries / 8;  // score-tile columns are queries here
-  constexpr int kNTilesD = kHeadDim / 8;
   constexpr int kQueryTileElements = kBlockQueries * kPitch;
   constexpr bool kDv = kGrads != KvGrads::kOnlyDk;
   constexpr bool kDk = kGrads != KvGrads::kOnlyDv;
+  static_assert((kGrads == KvGrads::kBoth) == !Tile::kSplitDkDv, "one launch below head_dim 160, two above");
+  // Phase 1 warp tile: 32 keys (2 m-tiles) x 32 queries (4 n-tiles); phase 2: 32 keys x kGradCols;
+  // phase 3: kDqRows x kDqChunkCols at a time.
+  constexpr int kScoreMTiles = 2, kScoreNTiles = 4;
+  constexpr int kGradNTiles = Tile::kGradCols / 8;
+  constexpr int kDqMTiles = Tile::kDqRows / 16;
   // dQ needs dS, which the launch computing dK has.
   const bool fused_dq = kDk && params.dq_accum != nullptr;
 
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   Element* smem_k = reinterpret_cast<Element*>(smem_bytes);
   Element* smem_v = smem_k + kBlockKeys * kPitch;
-  Element* smem_dst = smem_v + kBlockKeys * kPitch;  // dSᵀ: keys x queries
+  Element* smem_pt = smem_v + kBlockKeys * kPitch;                           // Pᵀ: keys x queries (dV)
+  Element* smem_dst = smem_pt + (kDv && kDk ? kBlockKeys * kDsPitch : 0);  // dSᵀ (dK, dQ); one tile if split
   Element* smem_q = smem_dst + kBlockKeys * kDsPitch;  // then num_stages tiles each of Q and dO
   Element* smem_dout = smem_q + num_stages * kQueryTileElements;
   float* smem_lse = reinterpret_cast<float*>(smem_dout + num_stages * kQueryTileElements);
@@ -130,7 +135,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
   const BandMask band(params, len_q, len_k);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int warp_first_key = warp * 16;  // within the block
+  // The warp's tiles in the three phases (within the block).
+  const int score_first_key = warp % Tile::kScoreKeyWarps * 32, score_first_query = warp / Tile::kScoreKeyWarps * 32;
+  const int grad_first_key = warp % Tile::kScoreKeyWarps * 32, grad_first_col = warp / Tile::kScoreKeyWarps * Tile::kGradCols;
+  const int dq_first_row = warp % Tile::kDqRowWarps * Tile::kDqRows, dq_first_col = warp / Tile::kDqRowWarps * Tile::kDqCols;
 
   // The CTA walks (query head of the GQA group, query block) pairs, over the query blocks holding
   // a row that sees a key of this block (causal / window band).
@@ -184,17 +192,23 @@ __global__ void __launch_bounds__(Tile::kThreads)
     head = end_head;  // nothing to walk
   }
 
-  float acc_dv[1][kNTilesD][4] = {};
-  float acc_dk[1][kNTilesD][4] = {};
-  const uint32_t k_lane_addr = a_lane_address<kPitch>(smem_k + warp_first_key * kPitch);  // A of Sᵀ = K·Qᵀ
-  const uint32_t v_lane_addr = a_lane_address<kPitch>(smem_v + warp_first_key * kPitch);  // A of dPᵀ = V·dOᵀ
-  const uint32_t q_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_q);                    // B of K·Qᵀ
-  const uint32_t dout_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_dout);              // B of V·dOᵀ
-  const uint32_t dout_as_b_addr = b_rows_k_lane_address<kPitch>(smem_dout);               // B of Pᵀ·dO
-  const uint32_t q_as_b_addr = b_rows_k_lane_address<kPitch>(smem_q);                     // B of dSᵀ·Q
-  // This thread's two key rows are thread_key and thread_key + 8 (of the sequence). Zero-filled
-  // rows past len_k must get P = 0, or their dS would reach dQ.
-  const int thread_key = first_key + warp_first_key + lane / 4;
+  float acc_dv[kScoreMTiles][kGradNTiles][4] = {};
+  float acc_dk[kScoreMTiles][kGradNTiles][4] = {};
+  // Phase 1 operands: A of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, B (rows are queries) of both.
+  const uint32_t k_lane_addr = a_lane_address<kPitch>(smem_k + score_first_key * kPitch);
+  const uint32_t v_lane_addr = a_lane_address<kPitch>(smem_v + score_first_key * kPitch);
+  const uint32_t q_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_q + score_first_query * kPitch);
+  const uint32_t dout_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_dout + score_first_query * kPitch);
+  // Phase 2: A of dV += Pᵀ·dO and dK += dSᵀ·Q, B (rows are queries) of both.
+  const uint32_t pt_lane_addr = a_lane_address<kDsPitch>(smem_pt + grad_first_key * kDsPitch);
+  const uint32_t dst_lane_addr = a_lane_address<kDsPitch>(smem_dst + grad_first_key * kDsPitch);
+  const uint32_t dout_as_b_addr = b_rows_k_lane_address<kPitch>(smem_dout + grad_first_col);
+  const uint32_t q_as_b_addr = b_rows_k_lane_address<kPitch>(smem_q + grad_first_col);
+  // This thread's score elements: keys thread_key + 16 mi + 8 half (of the sequence), queries
+  // thread_query + 8 nj + e (of the block). Zero-filled rows past len_k must get P = 0, or their
+  // dS would reach dQ.
+  const int thread_key = first_key + score_first_key + lane / 4;
+  const int thread_query = score_first_query + 2 * (lane % 4);
 
   for (int stage = 0; head < end_head;) {
     int next_head = head, next_query_block = query_block + 1;
@@ -205,7 +219,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const bool has_next = next_head < end_head;
     cp_async_wait<0>();
     // This block's copies have landed for every thread; every warp is done with the previous
-    // block (its buffer, and dSᵀ): the next block may load into that buffer now.
+    // block (its buffer, Pᵀ and dSᵀ): the next block may load into that buffer now.
     __syncthreads();
     if (num_stages == 2 && has_next) load_query_block(next_head, next_query_block, stage ^ 1);
 
@@ -215,130 +229,129 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const float* block_lse = smem_lse + stage * kBlockQueries;
     const float* block_d = smem_d + stage * kBlockQueries;
 
-    // Pᵀ for the warp's 16 keys x kBlockQueries queries. Masked entries are set to 0 by a select,
-    // so the exp2 of a row that sees no key (lse = -inf: every entry of it is masked) is never used.
-    // With score modifiers, P goes to 16-bit fragments (for dV) right away and acc_pt keeps
-    // P · dscore/draw-score (1 - tanh^2 for softcap), the factor dS needs.
-    float acc_pt[1][kNTilesQ][4] = {};
-    uint32_t pt_frag[1][kBlockQueries / 16][4];  // Pᵀ as A fragments of dV += Pᵀ·dO
-    gemm_smem_abt<Element, 1, kNTilesQ, kHeadDim / 16, kPitch, kPitch>(acc_pt, k_lane_addr, q_as_bt_addr + stage_offset);
-    const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
-    // The diagonal key of this thread's first query column, as a float (ALiBi distances).
-    const float first_query_on_diagonal = mod.row_on_diagonal(first_query + 2 * (lane % 4));
-    // Dropout: bit (half, nj, e) set = element kept (all set without dropout).
-    const uint32_t keep_bits =
-        kExtras && params.has_dropout() ? dkdv_keep_bits<kNTilesQ>(params, batch, head, first_query, thread_key) : ~0u;
-    const float kept_scale = kExtras && params.has_dropout() ? params.dropout_scale : 1.f;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int key = thread_key + 8 * half;
-      // The queries that see `key`, as query_in_block bounds [lo, hi]: two compares per element.
-      const IndexRange seen_by = band.queries_seeing_key(key);
-      const int64_t lo_unclamped = seen_by.begin - first_query, hi_unclamped = seen_by.end - 1 - first_query;
-      const int lo = lo_unclamped < 0 ? 0 : static_cast<int>(lo_unclamped < kBlockQueries ? lo_unclamped : kBlockQueries);
-      const int hi = hi_unclamped >= valid_queries ? valid_queries - 1 : static_cast<int>(hi_unclamped < -1 ? -1 : hi_unclamped);
-#pragma unroll
-      for (int nj = 0; nj < kNTilesQ; ++nj) {
-        float prob[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int query_in_block = nj * 8 + 2 * (lane % 4) + e;
-          const bool visible = query_in_block >= lo && query_in_block <= hi;
-          float& score = acc_pt[0][nj][2 * half + e];
-          const float lse_log2 = block_lse[query_in_block] * kLog2e;
-          if constexpr (kExtras) {
-            float tanh_value;
-            const float modified = mod.raw_score(score, first_query_on_diagonal + static_cast<float>(nj * 8 + e),
-                                                 static_cast<float>(key), tanh_value);
-            const float p = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
-            // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep·scale − D) ∘ (1 − tanh²) keeps P
-            // itself (times the softcap factor) here and applies keep·scale to dP below.
-            const bool kept = keep_bits >> (16 * half + 2 * nj + e) & 1u;
-            prob[e] = kept ? p * kept_scale : 0.f;
-            score = p * (1.f - tanh_value * tanh_value);
-          } else {
-            score = visible ? exp2f(fmaf(score, params.scale_log2, -lse_log2)) : 0.f;
-          }
-        }
-        if constexpr (kExtras) pt_frag[0][nj / 2][(nj % 2) * 2 + half] = pack_float2<Element>(prob[0], prob[1]);
+    // ---- Phase 1: the warp's 32 keys x 32 queries of Sᵀ and dPᵀ; Pᵀ and dSᵀ to shared memory.
+    {
+      float acc_s[kScoreMTiles][kScoreNTiles][4] = {};   // Sᵀ, then Pᵀ in place (dropped and rescaled)
+      float acc_dp[kScoreMTiles][kScoreNTiles][4] = {};  // dPᵀ, then dSᵀ in place
+      gemm_smem_abt<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kPitch, kPitch>(acc_s, k_lane_addr,
+                                                                                         q_as_bt_addr + stage_offset);
+      if constexpr (kDk) {
+        gemm_smem_abt<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kPitch, kPitch>(
+            acc_dp, v_lane_addr, dout_as_bt_addr + stage_offset);
       }
-    }
-
-    if constexpr (kDv) {
-      if constexpr (!kExtras) accumulator_to_a_fragments<Element>(acc_pt, pt_frag);
-      gemm_rs_ab<Element, 1, kNTilesD, kBlockQueries / 16, kPitch>(acc_dv, pt_frag, dout_as_b_addr + stage_offset);
-    }
-    if constexpr (kDk) {
-      float acc_dst[1][kNTilesQ][4] = {};  // dPᵀ, then dSᵀ in place
-      gemm_smem_abt<Element, 1, kNTilesQ, kHeadDim / 16, kPitch, kPitch>(acc_dst, v_lane_addr,
-                                                                          dout_as_bt_addr + stage_offset);
+      const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
+      // The diagonal key of this thread's first query column, as a float (ALiBi distances).
+      const float first_query_on_diagonal = mod.row_on_diagonal(first_query + thread_query);
+      // Dropout: bit (mi, half, nj, e) set = element kept (all set without dropout).
+      const uint32_t keep_bits = kExtras && params.has_dropout()
+                                     ? dkdv_keep_bits<kScoreMTiles, kScoreNTiles>(params, batch, head,
+                                                                                  first_query + thread_query, thread_key)
+                                     : ~0u;
+      const float kept_scale = kExtras && params.has_dropout() ? params.dropout_scale : 1.f;
 #pragma unroll
-      for (int nj = 0; nj < kNTilesQ; ++nj) {
+      for (int mi = 0; mi < kScoreMTiles; ++mi) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          float dp = acc_dst[0][nj][r];
-          if constexpr (kExtras) {  // dropout: dP of a dropped element is 0, of a kept one scaled
-            const bool kept = keep_bits >> (16 * (r / 2) + 2 * nj + r % 2) & 1u;
-            dp = kept ? dp * kept_scale : 0.f;
+        for (int half = 0; half < 2; ++half) {
+          const int key = thread_key + 16 * mi + 8 * half;
+          // The queries that see `key`, as query_in_block bounds [lo, hi]: two compares per element.
+          // Masked entries get P = 0 by a select, so the exp2 of a row that sees no key (lse = -inf:
+          // every entry of it is masked) is never used.
+          const IndexRange seen_by = band.queries_seeing_key(key);
+          const int64_t lo_unclamped = seen_by.begin - first_query, hi_unclamped = seen_by.end - 1 - first_query;
+          const int lo =
+              lo_unclamped < 0 ? 0 : static_cast<int>(lo_unclamped < kBlockQueries ? lo_unclamped : kBlockQueries);
+          const int hi = hi_unclamped >= valid_queries ? valid_queries - 1
+                                                       : static_cast<int>(hi_unclamped < -1 ? -1 : hi_unclamped);
+#pragma unroll
+          for (int nj = 0; nj < kScoreNTiles; ++nj) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int query_in_block = thread_query + nj * 8 + e;
+              const bool visible = query_in_block >= lo && query_in_block <= hi;
+              const int r = 2 * half + e;
+              const float lse_log2 = block_lse[query_in_block] * kLog2e;
+              // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep·scale − D) ∘ (1 − tanh²)
+              // takes P itself, the softcap factor and keep·scale on dP.
+              float p, dp = acc_dp[mi][nj][r], grad_factor = 1.f;
+              if constexpr (kExtras) {
+                float tanh_value;
+                const float modified = mod.raw_score(acc_s[mi][nj][r],
+                                                     first_query_on_diagonal + static_cast<float>(nj * 8 + e),
+                                                     static_cast<float>(key), tanh_value);
+                p = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
+                grad_factor = 1.f - tanh_value * tanh_value;
+                const bool kept = keep_bits >> (((mi * 2 + half) * kScoreNTiles + nj) * 2 + e) & 1u;
+                acc_s[mi][nj][r] = kept ? p * kept_scale : 0.f;
+                dp = kept ? dp * kept_scale : 0.f;
+              } else {
+                p = visible ? exp2f(fmaf(acc_s[mi][nj][r], params.scale_log2, -lse_log2)) : 0.f;
+                acc_s[mi][nj][r] = p;
+              }
+              if constexpr (kDk) acc_dp[mi][nj][r] = p * grad_factor * (dp - block_d[query_in_block]);
+            }
           }
-          acc_dst[0][nj][r] = acc_pt[0][nj][r] * (dp - block_d[nj * 8 + 2 * (lane % 4) + r % 2]);
         }
       }
-      uint32_t dst_frag[1][kBlockQueries / 16][4];
-      accumulator_to_a_fragments<Element>(acc_dst, dst_frag);
-      gemm_rs_ab<Element, 1, kNTilesD, kBlockQueries / 16, kPitch>(acc_dk, dst_frag, q_as_b_addr + stage_offset);
-
-      if (fused_dq) {
-        // dSᵀ (16-bit, as it entered dK's GEMM) to shared memory: fragment register j of k-step s
-        // holds rows lane/4 (+8 for j odd) and columns 16s + 2(lane%4) (+8 for j >= 2).
+      // 16-bit Pᵀ and dSᵀ to shared memory: accumulator registers (0, 1) of (mi, nj) are key row
+      // lane/4 of m-tile mi, query columns 2 (lane % 4) and + 1 of n-tile nj; (2, 3) the row + 8.
 #pragma unroll
-        for (int kstep = 0; kstep < kBlockQueries / 16; ++kstep) {
+      for (int mi = 0; mi < kScoreMTiles; ++mi) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int row = warp_first_key + lane / 4 + 8 * (j % 2);
-            const int col = kstep * 16 + 2 * (lane % 4) + 8 * (j / 2);
-            *reinterpret_cast<uint32_t*>(smem_dst + row * kDsPitch + col) = dst_frag[0][kstep][j];
-          }
-        }
-        __syncthreads();  // all of dSᵀ is in shared memory
-
-        // dQ (kBlockQueries x kHeadDim) += dS · K: warp = (16-query row block, column group); the
-        // columns go in chunks of at most 32 so the chunk accumulator stays small (<= 16 floats).
-        constexpr int kRowBlocks = kBlockQueries / 16;
-        constexpr int kColGroups = Tile::kWarps / kRowBlocks;
-        constexpr int kColsPerWarp = kHeadDim / kColGroups;
-        constexpr int kChunkCols = kColsPerWarp % 32 == 0 ? 32 : 16;
-        static_assert(Tile::kWarps % kRowBlocks == 0 && kColsPerWarp % kChunkCols == 0, "dQ warp layout");
-        const int dq_first_row = warp % kRowBlocks * 16;
-        const int dq_first_col = warp / kRowBlocks * kColsPerWarp;
-        const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k);  // B of dQ += dS·K
-        const uint32_t ds_lane_addr = a_transposed_lane_address<kDsPitch>(smem_dst + dq_first_row);
-        const int64_t dq_row_stride = static_cast<int64_t>(params.heads_q) * kHeadDim;
-        // dq_accum rows follow q's rows: (batch, seqlen_q) dense, total_q packed.
-        const int64_t accum_row = (params.is_varlen() ? params.query_span(batch).begin
-                                                      : static_cast<int64_t>(batch) * params.seqlen_q) +
-                                  first_query + dq_first_row + lane / 4;
-        float* dq_accum_row =
-            params.dq_accum + (accum_row * params.heads_q + head) * kHeadDim + dq_first_col + 2 * (lane % 4);
-#pragma unroll
-        for (int chunk = 0; chunk < kColsPerWarp / kChunkCols; ++chunk) {
-          float acc_dq[1][kChunkCols / 8][4] = {};
-          // dS fragments are reloaded per chunk (cheap) rather than held: registers are the limit.
-#pragma unroll
-          for (int kstep = 0; kstep < kBlockKeys / 16; ++kstep) {
-            uint32_t ds_frag[1][1][4];
-            ldmatrix_x4_trans(ds_frag[0][0], ds_lane_addr + kstep * 16 * kDsPitch * sizeof(Element));
-            gemm_rs_ab<Element, 1, kChunkCols / 8, 1, kPitch>(
-                acc_dq, ds_frag,
-                k_as_b_addr + (kstep * 16 * kPitch + dq_first_col + chunk * kChunkCols) * sizeof(Element));
-          }
+        for (int nj = 0; nj < kScoreNTiles; ++nj) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            if (dq_first_row + lane / 4 + 8 * half >= valid_queries) continue;
+            const int offset = (score_first_key + 16 * mi + lane / 4 + 8 * half) * kDsPitch + thread_query + 8 * nj;
+            if constexpr (kDv) {
+              *reinterpret_cast<uint32_t*>(smem_pt + offset) =
+                  pack_float2<Element>(acc_s[mi][nj][2 * half], acc_s[mi][nj][2 * half + 1]);
+            }
+            if constexpr (kDk) {
+              *reinterpret_cast<uint32_t*>(smem_dst + offset) =
+                  pack_float2<Element>(acc_dp[mi][nj][2 * half], acc_dp[mi][nj][2 * half + 1]);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // Pᵀ and dSᵀ of the whole block are in shared memory
+
+    // ---- Phase 2: dV += Pᵀ·dO and dK += dSᵀ·Q for the warp's 32 keys x kGradCols columns.
+    if constexpr (kDv) {
+      gemm_smem_ab<Element, kScoreMTiles, kGradNTiles, kBlockQueries / 16, kDsPitch, kPitch, false>(
+          acc_dv, pt_lane_addr, dout_as_b_addr + stage_offset);
+    }
+    if constexpr (kDk) {
+      gemm_smem_ab<Element, kScoreMTiles, kGradNTiles, kBlockQueries / 16, kDsPitch, kPitch, false>(
+          acc_dk, dst_lane_addr, q_as_b_addr + stage_offset);
+    }
+
+    // ---- Phase 3: dQ (kBlockQueries x kHeadDim) += dS·K, added to the fp32 buffer with float2
+    // atomics; the warp's columns go in chunks (the accumulator stays <= 32 floats beside dK, dV).
+    if (fused_dq) {
+      constexpr int kChunkCols = Tile::kDqChunkCols;
+      const uint32_t ds_lane_addr = a_transposed_lane_address<kDsPitch>(smem_dst + dq_first_row);  // A: dS = (dSᵀ)ᵀ
+      const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k + dq_first_col);           // B: K
+      const int64_t dq_row_stride = static_cast<int64_t>(params.heads_q) * kHeadDim;
+      // dq_accum rows follow q's rows: (batch, seqlen_q) dense, total_q packed.
+      const int64_t accum_row = (params.is_varlen() ? params.query_span(batch).begin
+                                                    : static_cast<int64_t>(batch) * params.seqlen_q) +
+                                first_query + dq_first_row + lane / 4;
+      float* dq_accum_row =
+          params.dq_accum + (accum_row * params.heads_q + head) * kHeadDim + dq_first_col + 2 * (lane % 4);
+#pragma unroll
+      for (int chunk = 0; chunk < Tile::kDqCols / kChunkCols; ++chunk) {
+        float acc_dq[kDqMTiles][kChunkCols / 8][4] = {};
+        gemm_smem_ab<Element, kDqMTiles, kChunkCols / 8, kBlockKeys / 16, kDsPitch, kPitch, true>(
+            acc_dq, ds_lane_addr, k_as_b_addr + chunk * kChunkCols * sizeof(Element));
+#pragma unroll
+        for (int mi = 0; mi < kDqMTiles; ++mi) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            if (dq_first_row + 16 * mi + lane / 4 + 8 * half >= valid_queries) continue;
 #pragma unroll
             for (int nt = 0; nt < kChunkCols / 8; ++nt) {
-              atomic_add_float2(dq_accum_row + 8 * half * dq_row_stride + chunk * kChunkCols + nt * 8,
-                                acc_dq[0][nt][2 * half], acc_dq[0][nt][2 * half + 1]);
+              atomic_add_float2(dq_accum_row + (16 * mi + 8 * half) * dq_row_stride + chunk * kChunkCols + nt * 8,
+                                acc_dq[mi][nt][2 * half], acc_dq[mi][nt][2 * half + 1]);
             }
           }
         }
@@ -354,26 +367,29 @@ __global__ void __launch_bounds__(Tile::kThreads)
     if (num_stages == 2) stage ^= 1;
   }
 
-  // Each thread writes rows lane/4 and lane/4 + 8 of its warp's 16 keys, two columns per tile.
+  // Each thread writes keys grad_first_key + 16 mi + lane/4 (+ 8) and two columns per n-tile.
   Element* dk = static_cast<Element*>(params.dk) + batch * params.dk_strides.batch + kv_head * params.dk_strides.head;
   Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_strides.batch + kv_head * params.dv_strides.head;
-#pragma unroll
   const int64_t first_packed_row = params.key_span(batch).begin;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    if (thread_key + 8 * half >= len_k) continue;
-    const int64_t key = first_packed_row + thread_key + 8 * half;  // row in the (packed) dk and dv
+  for (int mi = 0; mi < kScoreMTiles; ++mi) {
 #pragma unroll
-    for (int nd = 0; nd < kNTilesD; ++nd) {
-      const int col = nd * 8 + 2 * (lane % 4);
-      if constexpr (kDv) {
-        *reinterpret_cast<uint32_t*>(dv + key * params.dv_strides.row + col) =
-            pack_float2<Element>(acc_dv[0][nd][2 * half], acc_dv[0][nd][2 * half + 1]);
-      }
-      if constexpr (kDk) {
-        *reinterpret_cast<uint32_t*>(dk + key * params.dk_strides.row + col) =
-            pack_float2<Element>(acc_dk[0][nd][2 * half] * params.softmax_scale,
-                                 acc_dk[0][nd][2 * half + 1] * params.softmax_scale);
+    for (int half = 0; half < 2; ++half) {
+      const int key_in_sequence = first_key + grad_first_key + 16 * mi + lane / 4 + 8 * half;
+      if (key_in_sequence >= len_k) continue;
+      const int64_t key = first_packed_row + key_in_sequence;  // row in the (packed) dk and dv
+#pragma unroll
+      for (int nd = 0; nd < kGradNTiles; ++nd) {
+        const int col = grad_first_col + nd * 8 + 2 * (lane % 4);
+        if constexpr (kDv) {
+          *reinterpret_cast<uint32_t*>(dv + key * params.dv_strides.row + col) =
+              pack_float2<Element>(acc_dv[mi][nd][2 * half], acc_dv[mi][nd][2 * half + 1]);
+        }
+        if constexpr (kDk) {
+          *reinterpret_cast<uint32_t*>(dk + key * params.dk_strides.row + col) =
+              pack_float2<Element>(acc_dk[mi][nd][2 * half] * params.softmax_scale,
+                                   acc_dk[mi][nd][2 * half + 1] * params.softmax_scale);
+        }
       }
     }
   }

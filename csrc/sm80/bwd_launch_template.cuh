@@ -34,7 +34,7 @@ int dkdv_stages() {
 
 template <Elem16 kElem, int kHeadDim>
 void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
-  using Tile = BwdDkDvTileFor<kHeadDim>;
+  using Tile = BwdDkDvTile<kHeadDim>;
   using DqTile = BwdDqTile<kHeadDim>;
   using Element = ElementOf<kElem>;
   check_grid_limits(params, "backward");

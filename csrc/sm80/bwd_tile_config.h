@@ -3,32 +3,65 @@
 
 namespace flash_ext::sm80 {
 
-// dK/dV kernel: a CTA of kWarps warps owns kBlockKeys = 16 * kWarps keys (16 per warp: the warp's
-// rows are keys) and walks the query blocks of kBlockQueries that can see them. Q, dO, lse and D
-// of a query block are double-buffered (the next block loads while this one computes) where the
-// per-block shared memory allows it (see dkdv_stages in bwd_launch_template.cuh).
-// Registers: each thread holds the dK and dV accumulators of 16 x head_dim (head_dim / 2 floats
-// each) beside two 16 x 64 score tiles (32 each). Above head_dim 128 that does not fit, so dV and
-// dK are produced by two launches (kSplitDkDv), each recomputing P.
-template <int kHeadDim_, int kWarps_>
+// dK/dV kernel: a CTA of 8 warps owns kBlockKeys = 128 keys and walks the query blocks of
+// kBlockQueries = 64 that can see them. Q, dO, lse and D of a query block are double-buffered (the
+// next block loads while this one computes) where shared memory allows (dkdv_stages in
+// bwd_launch_template.cuh). Per query block, three phases with differently shaped warp tiles, the
+// score tiles handed between them through shared memory (FlashAttention-2's layout):
+//   1. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys x queries): 4 x 2 warps of 32 keys x 32 queries; Pᵀ and
+//      dSᵀ go to shared memory as 16-bit tiles;
+//   2. dV += Pᵀ·dO, dK += dSᵀ·Q (keys x head_dim, accumulated in registers over the whole walk):
+//      4 x 2 warps of 32 keys x head_dim/2;
+//   3. dQ += dS·K (queries x head_dim, added to the fp32 buffer with atomics): 2 x 4 warps of 32
+//      queries x head_dim/4, or 4 x 2 warps of 16 queries x head_dim/2 where head_dim/4 is not a
+//      multiple of 16 (32, 96, 160, 224); columns in chunks of at most 32 floats of accumulator.
+// 32-row warp tiles read each shared operand fragment for two 16-row mma blocks: about 25% fewer
+// shared-memory bytes per mma than 16-key warps that keep P and dS in registers (192 -> 144 x4
+// ldmatrix per warp and block at head_dim 128), the resource the backward is bound by (ncu: L1 busy
+// 72-84% with 16-key warps).
+// Registers: dK and dV accumulators take head_dim / 2 floats each per thread; above head_dim 128
+// the two do not fit beside the score tiles, so dV and dK are produced by two launches (kSplitDkDv),
+// each recomputing P, and the launches share one 16-bit score tile in shared memory.
+template <int kHeadDim_>
 struct BwdDkDvTile {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kWarps = kWarps_;
+  static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockKeys = 16 * kWarps;
+  static constexpr int kBlockKeys = 128;
   static constexpr int kBlockQueries = 64;
   static constexpr int kSmemRowPitch = kHeadDim + 8;     // elements; padding as FwdTile's
-  static constexpr int kDsRowPitch = kBlockQueries + 8;  // dSᵀ tile (keys x queries), same padding rule
+  static constexpr int kDsRowPitch = kBlockQueries + 8;  // Pᵀ and dSᵀ tiles (keys x queries), same padding rule
   static constexpr bool kSplitDkDv = kHeadDim > 128;
+  // Phase 1: warp (w % 4, w / 4) computes keys 32 (w % 4) and queries 32 (w / 4) of the score tiles.
+  static constexpr int kScoreKeyWarps = kBlockKeys / 32;
+  // Phase 2: warp (w % 4, w / 4) accumulates keys 32 (w % 4) and columns kGradCols (w / 4).
+  static constexpr int kGradCols = kHeadDim / 2;
+  // Phase 3: warp (w % kDqRowWarps, w / kDqRowWarps) adds queries kDqRows (...) x columns kDqCols (...).
+  static constexpr int kDqColWarps = (kHeadDim / 4) % 16 == 0 ? 4 : 2;
+  static constexpr int kDqRowWarps = kWarps / kDqColWarps;
+  static constexpr int kDqRows = kBlockQueries / kDqRowWarps;
+  static constexpr int kDqCols = kHeadDim / kDqColWarps;
+  // The widest multiple of 16 columns dividing kDqCols whose accumulator is <= 32 floats per thread.
+  static constexpr int dq_chunk_cols() {
+    int best = 16;
+    for (int cols = 16; cols <= kDqCols; cols += 16) {
+      if (kDqCols % cols == 0 && (kDqRows / 16) * (cols / 8) * 4 <= 32) best = cols;
+    }
+    return best;
+  }
+  static constexpr int kDqChunkCols = dq_chunk_cols();
+  static constexpr int kScoreTiles = kSplitDkDv ? 1 : 2;  // Pᵀ and dSᵀ, or one of them per launch
 
-  // K and V, the dSᵀ tile (for the fused dQ), then per stage a Q and a dO tile and the block's
-  // lse and D.
+  // K and V, the 16-bit score tiles, then per stage a Q and a dO tile and the block's lse and D.
   static constexpr int smem_bytes(int stages) {
-    return (2 * kBlockKeys * kSmemRowPitch + kBlockKeys * kDsRowPitch) * 2 +
+    return (2 * kBlockKeys * kSmemRowPitch + kScoreTiles * kBlockKeys * kDsRowPitch) * 2 +
            stages * (2 * kBlockQueries * kSmemRowPitch * 2 + 2 * kBlockQueries * 4);
   }
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dims are multiples of 32 up to 256");
+  static_assert(kWarps == kScoreKeyWarps * (kBlockQueries / 32), "phase 1 warp grid");
+  static_assert(kWarps == kScoreKeyWarps * 2 && kGradCols % 16 == 0, "phase 2 warp grid");
+  static_assert(kDqRows % 16 == 0 && kDqCols % 16 == 0, "phase 3 warp grid");
   static_assert(kThreads >= kBlockQueries, "one thread copies each query row's lse and D");
 };
 
@@ -46,10 +79,5 @@ struct BwdDqTile {
   // Q, dO, K and V tiles.
   static constexpr int kSmemBytes = (2 * kBlockQueries + 2 * kBlockKeys) * kSmemRowPitch * 2;
 };
-
-// The dK/dV kernel's warps. 8 (128 keys per CTA) against 4 (64): each dQ element gets half as
-// many atomic adds, at the same registers per thread (1 CTA of 8 warps per SM instead of 2 of 4).
-template <int kHeadDim>
-using BwdDkDvTileFor = BwdDkDvTile<kHeadDim, 8>;
 
 }  // namespace flash_ext::sm80
