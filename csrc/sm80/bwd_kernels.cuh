@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/band_mask.cuh"
 #include "../common/philox.h"
@@ -70,20 +71,20 @@ __global__ void __launch_bounds__(256)
 // thread_query + 8 nj + e. The element (query i, key j) is word j % 4 of the Philox call for
 // (row i, columns j / 4): one call per element here (in a loop that is not unrolled, to keep
 // registers).
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ uint32_t dkdv_keep_bits(const BwdParams& params, int batch, int head, int thread_query,
+template <int kMTiles, int kNTiles, typename KeepBits>
+__device__ __forceinline__ KeepBits dkdv_keep_bits(const BwdParams& params, int batch, int head, int thread_query,
                                                    int thread_key) {
-  static_assert(kMTiles * 2 * kNTiles * 2 <= 32, "one 32-bit keep mask");
+  static_assert(kMTiles * 2 * kNTiles * 2 <= 8 * sizeof(KeepBits), "one bit per element");
   const PhiloxSeedOffset rng = philox_seed_offset(params);
   const uint64_t batch_head = static_cast<uint64_t>(batch) * params.heads_q + head;
-  uint32_t bits = 0;
+  KeepBits bits = 0;
 #pragma unroll 1
   for (int i = 0; i < kMTiles * 2 * kNTiles * 2; ++i) {  // i = (mi, half, nj, e)
     const int key = thread_key + 8 * (i / (2 * kNTiles));  // 16 mi + 8 half = 8 (i / (2 kNTiles))
     const int query = thread_query + i / 2 % kNTiles * 8 + i % 2;
     const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, query, key / 4);
     const uint32_t word = key % 4 == 0 ? words.w[0] : key % 4 == 1 ? words.w[1] : key % 4 == 2 ? words.w[2] : words.w[3];
-    bits |= (dropout_keeps(word, params.dropout_threshold) ? 1u : 0u) << i;
+    bits |= static_cast<KeepBits>(dropout_keeps(word, params.dropout_threshold) ? 1 : 0) << i;
   }
   return bits;
 }
@@ -106,9 +107,11 @@ __global__ void __launch_bounds__(Tile::kThreads)
   constexpr bool kDv = kGrads != KvGrads::kOnlyDk;
   constexpr bool kDk = kGrads != KvGrads::kOnlyDv;
   static_assert((kGrads == KvGrads::kBoth) == !Tile::kSplitDkDv, "one launch below head_dim 160, two above");
-  // Phase 1 warp tile: 32 keys (2 m-tiles) x 32 queries (4 n-tiles); phase 2: 32 keys x kGradCols;
+  // Phase 1 warp tile: 32 keys (2 m-tiles) x kScoreQueries; phase 2: 32 keys x kGradCols;
   // phase 3: kDqRows x kDqChunkCols at a time.
-  constexpr int kScoreMTiles = 2, kScoreNTiles = 4;
+  constexpr int kScoreMTiles = 2, kScoreNTiles = Tile::kScoreQueries / 8;
+  // Dropout keep bits of the thread's score elements: 32 (kScoreQueries 32) or 64.
+  using KeepBits = std::conditional_t<kScoreMTiles * 2 * kScoreNTiles * 2 <= 32, uint32_t, uint64_t>;
   constexpr int kGradNTiles = Tile::kGradCols / 8;
   constexpr int kDqMTiles = Tile::kDqRows / 16;
   // dQ needs dS, which the launch computing dK has.
@@ -136,7 +139,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   // The warp's tiles in the three phases (within the block).
-  const int score_first_key = warp % Tile::kScoreKeyWarps * 32, score_first_query = warp / Tile::kScoreKeyWarps * 32;
+  const int score_first_key = warp % Tile::kScoreKeyWarps * 32;
+  const int score_first_query = warp / Tile::kScoreKeyWarps * Tile::kScoreQueries;
   const int grad_first_key = warp % Tile::kScoreKeyWarps * 32, grad_first_col = warp / Tile::kScoreKeyWarps * Tile::kGradCols;
   const int dq_first_row = warp % Tile::kDqRowWarps * Tile::kDqRows, dq_first_col = warp / Tile::kDqRowWarps * Tile::kDqCols;
 
@@ -229,7 +233,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const float* block_lse = smem_lse + stage * kBlockQueries;
     const float* block_d = smem_d + stage * kBlockQueries;
 
-    // ---- Phase 1: the warp's 32 keys x 32 queries of Sᵀ and dPᵀ; Pᵀ and dSᵀ to shared memory.
+    // ---- Phase 1: the warp's 32 keys x kScoreQueries of Sᵀ and dPᵀ; Pᵀ and dSᵀ to shared memory.
     {
       float acc_s[kScoreMTiles][kScoreNTiles][4] = {};   // Sᵀ, then Pᵀ in place (dropped and rescaled)
       float acc_dp[kScoreMTiles][kScoreNTiles][4] = {};  // dPᵀ, then dSᵀ in place
@@ -243,54 +247,72 @@ __global__ void __launch_bounds__(Tile::kThreads)
       // The diagonal key of this thread's first query column, as a float (ALiBi distances).
       const float first_query_on_diagonal = mod.row_on_diagonal(first_query + thread_query);
       // Dropout: bit (mi, half, nj, e) set = element kept (all set without dropout).
-      const uint32_t keep_bits = kExtras && params.has_dropout()
-                                     ? dkdv_keep_bits<kScoreMTiles, kScoreNTiles>(params, batch, head,
-                                                                                  first_query + thread_query, thread_key)
-                                     : ~0u;
+      const KeepBits keep_bits = kExtras && params.has_dropout()
+                                     ? dkdv_keep_bits<kScoreMTiles, kScoreNTiles, KeepBits>(
+                                           params, batch, head, first_query + thread_query, thread_key)
+                                     : ~KeepBits{0};
       const float kept_scale = kExtras && params.has_dropout() ? params.dropout_scale : 1.f;
+      // P (and dS) of every element; `masked`: whether any (query, key) of the block lies outside the
+      // band or past the sequences' ends (a uniform branch: most blocks need no mask).
+      auto scores_to_gradients = [&](auto masked) {
 #pragma unroll
-      for (int mi = 0; mi < kScoreMTiles; ++mi) {
+        for (int mi = 0; mi < kScoreMTiles; ++mi) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int key = thread_key + 16 * mi + 8 * half;
-          // The queries that see `key`, as query_in_block bounds [lo, hi]: two compares per element.
-          // Masked entries get P = 0 by a select, so the exp2 of a row that sees no key (lse = -inf:
-          // every entry of it is masked) is never used.
-          const IndexRange seen_by = band.queries_seeing_key(key);
-          const int64_t lo_unclamped = seen_by.begin - first_query, hi_unclamped = seen_by.end - 1 - first_query;
-          const int lo =
-              lo_unclamped < 0 ? 0 : static_cast<int>(lo_unclamped < kBlockQueries ? lo_unclamped : kBlockQueries);
-          const int hi = hi_unclamped >= valid_queries ? valid_queries - 1
-                                                       : static_cast<int>(hi_unclamped < -1 ? -1 : hi_unclamped);
+          for (int half = 0; half < 2; ++half) {
+            const int key = thread_key + 16 * mi + 8 * half;
+            // The queries that see `key`, as query_in_block bounds [lo, hi]: two compares per element.
+            // Masked entries get P = 0 by a select, so the exp2 of a row that sees no key (lse = -inf:
+            // every entry of it is masked) is never used.
+            int lo = 0, hi = kBlockQueries - 1;
+            if constexpr (decltype(masked)::value) {
+              const IndexRange seen_by = band.queries_seeing_key(key);
+              const int64_t lo_unclamped = seen_by.begin - first_query, hi_unclamped = seen_by.end - 1 - first_query;
+              lo = lo_unclamped < 0 ? 0 : static_cast<int>(lo_unclamped < kBlockQueries ? lo_unclamped : kBlockQueries);
+              hi = hi_unclamped >= valid_queries ? valid_queries - 1
+                                                 : static_cast<int>(hi_unclamped < -1 ? -1 : hi_unclamped);
+            }
 #pragma unroll
-          for (int nj = 0; nj < kScoreNTiles; ++nj) {
+            for (int nj = 0; nj < kScoreNTiles; ++nj) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int query_in_block = thread_query + nj * 8 + e;
-              const bool visible = query_in_block >= lo && query_in_block <= hi;
-              const int r = 2 * half + e;
-              const float lse_log2 = block_lse[query_in_block] * kLog2e;
-              // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep·scale − D) ∘ (1 − tanh²)
-              // takes P itself, the softcap factor and keep·scale on dP.
-              float p, dp = acc_dp[mi][nj][r], grad_factor = 1.f;
-              if constexpr (kExtras) {
-                float tanh_value;
-                const float modified = mod.raw_score(acc_s[mi][nj][r],
-                                                     first_query_on_diagonal + static_cast<float>(nj * 8 + e),
-                                                     static_cast<float>(key), tanh_value);
-                p = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
-                grad_factor = 1.f - tanh_value * tanh_value;
-                const bool kept = keep_bits >> (((mi * 2 + half) * kScoreNTiles + nj) * 2 + e) & 1u;
-                acc_s[mi][nj][r] = kept ? p * kept_scale : 0.f;
-                dp = kept ? dp * kept_scale : 0.f;
-              } else {
-                p = visible ? exp2f(fmaf(acc_s[mi][nj][r], params.scale_log2, -lse_log2)) : 0.f;
-                acc_s[mi][nj][r] = p;
+              for (int e = 0; e < 2; ++e) {
+                const int query_in_block = thread_query + nj * 8 + e;
+                const bool visible = !decltype(masked)::value || (query_in_block >= lo && query_in_block <= hi);
+                const int r = 2 * half + e;
+                const float lse_log2 = block_lse[query_in_block] * kLog2e;
+                // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep·scale − D) ∘ (1 − tanh²)
+                // takes P itself, the softcap factor and keep·scale on dP.
+                float p, dp = acc_dp[mi][nj][r], grad_factor = 1.f;
+                if constexpr (kExtras) {
+                  float tanh_value;
+                  const float modified = mod.raw_score(acc_s[mi][nj][r],
+                                                       first_query_on_diagonal + static_cast<float>(nj * 8 + e),
+                                                       static_cast<float>(key), tanh_value);
+                  p = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
+                  grad_factor = 1.f - tanh_value * tanh_value;
+                  const bool kept = keep_bits >> (((mi * 2 + half) * kScoreNTiles + nj) * 2 + e) & 1;
+                  acc_s[mi][nj][r] = kept ? p * kept_scale : 0.f;
+                  dp = kept ? dp * kept_scale : 0.f;
+                } else {
+                  p = visible ? exp2f(fmaf(acc_s[mi][nj][r], params.scale_log2, -lse_log2)) : 0.f;
+                  acc_s[mi][nj][r] = p;
+                }
+                if constexpr (kDk) acc_dp[mi][nj][r] = p * grad_factor * (dp - block_d[query_in_block]);
               }
-              if constexpr (kDk) acc_dp[mi][nj][r] = p * grad_factor * (dp - block_d[query_in_block]);
             }
           }
         }
+      };
+      // Unmasked: every query row of the block is valid and sees every key of it (band rows grow
+      // monotonically, so the corners decide; band.end clamps at len_k). The extras variant keeps
+      // one copy (a second spills registers at head_dim 128).
+      const bool block_unmasked = !kExtras && valid_queries == kBlockQueries &&
+                                  band.begin(first_query + kBlockQueries - 1) <= first_key &&
+                                  band.end(first_query) >= first_key + kBlockKeys;
+      if constexpr (!kExtras) {
+        if (block_unmasked) scores_to_gradients(std::false_type{});
+      }
+      if (!block_unmasked) {
+        scores_to_gradients(std::true_type{});
       }
       // 16-bit Pᵀ and dSᵀ to shared memory: accumulator registers (0, 1) of (mi, nj) are key row
       // lane/4 of m-tile mi, query columns 2 (lane % 4) and + 1 of n-tile nj; (2, 3) the row + 8.

@@ -4,17 +4,19 @@
 namespace flash_ext::sm80 {
 
 // dK/dV kernel: a CTA of 8 warps owns kBlockKeys = 128 keys and walks the query blocks of
-// kBlockQueries = 64 that can see them. Q, dO, lse and D of a query block are double-buffered (the
-// next block loads while this one computes) where shared memory allows (dkdv_stages in
-// bwd_launch_template.cuh). Per query block, three phases with differently shaped warp tiles, the
-// score tiles handed between them through shared memory (FlashAttention-2's layout):
-//   1. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys x queries): 4 x 2 warps of 32 keys x 32 queries; Pᵀ and
-//      dSᵀ go to shared memory as 16-bit tiles;
+// kBlockQueries that can see them (128 up to head_dim 64, where the GEMMs' k-dimension is short and
+// the per-block costs -- syncs, softmax, atomics -- weigh more; 64 above, where registers are the
+// limit). Q, dO, lse and D of a query block are double-buffered (the next block loads while this one
+// computes) where shared memory allows (dkdv_stages in bwd_launch_template.cuh). Per query block,
+// three phases with differently shaped warp tiles, the score tiles handed between them through
+// shared memory (FlashAttention-2's layout):
+//   1. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys x queries): 4 x 2 warps of 32 keys x kBlockQueries/2
+//      queries; Pᵀ and dSᵀ go to shared memory as 16-bit tiles;
 //   2. dV += Pᵀ·dO, dK += dSᵀ·Q (keys x head_dim, accumulated in registers over the whole walk):
 //      4 x 2 warps of 32 keys x head_dim/2;
-//   3. dQ += dS·K (queries x head_dim, added to the fp32 buffer with atomics): 2 x 4 warps of 32
-//      queries x head_dim/4, or 4 x 2 warps of 16 queries x head_dim/2 where head_dim/4 is not a
-//      multiple of 16 (32, 96, 160, 224); columns in chunks of at most 32 floats of accumulator.
+//   3. dQ += dS·K (queries x head_dim, added to the fp32 buffer with atomics): warps of 32 queries
+//      x (head_dim / (8 / row warps)) columns, or of 16 queries where that column count is not a
+//      multiple of 16 (head_dim 96, 160, 224); columns in chunks of at most 32 accumulator floats.
 // 32-row warp tiles read each shared operand fragment for two 16-row mma blocks: about 25% fewer
 // shared-memory bytes per mma than 16-key warps that keep P and dS in registers (192 -> 144 x4
 // ldmatrix per warp and block at head_dim 128), the resource the backward is bound by (ncu: L1 busy
@@ -28,16 +30,19 @@ struct BwdDkDvTile {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockKeys = 128;
-  static constexpr int kBlockQueries = 64;
+  static constexpr int kBlockQueries = kHeadDim <= 64 ? 128 : 64;
   static constexpr int kSmemRowPitch = kHeadDim + 8;     // elements; padding as FwdTile's
   static constexpr int kDsRowPitch = kBlockQueries + 8;  // Pᵀ and dSᵀ tiles (keys x queries), same padding rule
   static constexpr bool kSplitDkDv = kHeadDim > 128;
-  // Phase 1: warp (w % 4, w / 4) computes keys 32 (w % 4) and queries 32 (w / 4) of the score tiles.
+  // Phase 1: warp (w % 4, w / 4) computes keys 32 (w % 4) and queries kScoreQueries (w / 4).
   static constexpr int kScoreKeyWarps = kBlockKeys / 32;
+  static constexpr int kScoreQueries = kBlockQueries / (kWarps / kScoreKeyWarps);
   // Phase 2: warp (w % 4, w / 4) accumulates keys 32 (w % 4) and columns kGradCols (w / 4).
   static constexpr int kGradCols = kHeadDim / 2;
   // Phase 3: warp (w % kDqRowWarps, w / kDqRowWarps) adds queries kDqRows (...) x columns kDqCols (...).
-  static constexpr int kDqColWarps = (kHeadDim / 4) % 16 == 0 ? 4 : 2;
+  static constexpr int kDqColWarpsFor32Rows = kWarps / (kBlockQueries / 32);
+  static constexpr int kDqColWarps =
+      (kHeadDim / kDqColWarpsFor32Rows) % 16 == 0 ? kDqColWarpsFor32Rows : kDqColWarpsFor32Rows / 2;
   static constexpr int kDqRowWarps = kWarps / kDqColWarps;
   static constexpr int kDqRows = kBlockQueries / kDqRowWarps;
   static constexpr int kDqCols = kHeadDim / kDqColWarps;
@@ -59,7 +64,7 @@ struct BwdDkDvTile {
   }
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dims are multiples of 32 up to 256");
-  static_assert(kWarps == kScoreKeyWarps * (kBlockQueries / 32), "phase 1 warp grid");
+  static_assert(kWarps == kScoreKeyWarps * 2 && kScoreQueries % 16 == 0, "phase 1 warp grid");
   static_assert(kWarps == kScoreKeyWarps * 2 && kGradCols % 16 == 0, "phase 2 warp grid");
   static_assert(kDqRows % 16 == 0 && kDqCols % 16 == 0, "phase 3 warp grid");
   static_assert(kThreads >= kBlockQueries, "one thread copies each query row's lse and D");
