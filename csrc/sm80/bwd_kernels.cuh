@@ -19,7 +19,6 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "../common/band_mask.cuh"
 #include "../common/philox.h"
@@ -71,57 +70,50 @@ __global__ void __launch_bounds__(256)
 // thread_query + 8 nj + e. The element (query i, key j) is word j % 4 of the Philox call for
 // (row i, columns j / 4): one call per element here (in a loop that is not unrolled, to keep
 // registers).
-template <int kMTiles, int kNTiles, typename KeepBits>
-__device__ __forceinline__ KeepBits dkdv_keep_bits(const BwdParams& params, int batch, int head, int thread_query,
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ uint32_t dkdv_keep_bits(const BwdParams& params, int batch, int head, int thread_query,
                                                    int thread_key) {
-  static_assert(kMTiles * 2 * kNTiles * 2 <= 8 * sizeof(KeepBits), "one bit per element");
+  static_assert(kMTiles * 2 * kNTiles * 2 <= 32, "one 32-bit keep mask (the extras tile's score tiles are small)");
   const PhiloxSeedOffset rng = philox_seed_offset(params);
   const uint64_t batch_head = static_cast<uint64_t>(batch) * params.heads_q + head;
-  KeepBits bits = 0;
+  uint32_t bits = 0;
 #pragma unroll 1
   for (int i = 0; i < kMTiles * 2 * kNTiles * 2; ++i) {  // i = (mi, half, nj, e)
     const int key = thread_key + 8 * (i / (2 * kNTiles));  // 16 mi + 8 half = 8 (i / (2 kNTiles))
     const int query = thread_query + i / 2 % kNTiles * 8 + i % 2;
     const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, query, key / 4);
     const uint32_t word = key % 4 == 0 ? words.w[0] : key % 4 == 1 ? words.w[1] : key % 4 == 2 ? words.w[2] : words.w[3];
-    bits |= static_cast<KeepBits>(dropout_keeps(word, params.dropout_threshold) ? 1 : 0) << i;
+    bits |= (dropout_keeps(word, params.dropout_threshold) ? 1u : 0u) << i;
   }
   return bits;
 }
 
-// Which gradients one launch of the dK/dV kernel produces (head dims > 128 use two launches).
-enum class KvGrads { kBoth, kOnlyDv, kOnlyDk };
-
 // num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (dkdv_stages).
-// kExtras: softcap, ALiBi or dropout is on (common/score_mod.cuh, common/philox.h).
+// Tile::kExtras: softcap, ALiBi or dropout is on (common/score_mod.cuh, common/philox.h).
 // The three phases per query block and their warp tiles: BwdDkDvTile.
-template <typename Tile, KvGrads kGrads, typename Element, bool kExtras>
+template <typename Tile, typename Element>
 __global__ void __launch_bounds__(Tile::kThreads)
     attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params, const int num_stages) {
+  constexpr bool kExtras = Tile::kExtras;
   constexpr int kHeadDim = Tile::kHeadDim;
   constexpr int kPitch = Tile::kSmemRowPitch;
   constexpr int kDsPitch = Tile::kDsRowPitch;
   constexpr int kBlockKeys = Tile::kBlockKeys;
   constexpr int kBlockQueries = Tile::kBlockQueries;
   constexpr int kQueryTileElements = kBlockQueries * kPitch;
-  constexpr bool kDv = kGrads != KvGrads::kOnlyDk;
-  constexpr bool kDk = kGrads != KvGrads::kOnlyDv;
-  static_assert((kGrads == KvGrads::kBoth) == !Tile::kSplitDkDv, "one launch below head_dim 160, two above");
-  // Phase 1 warp tile: 32 keys (2 m-tiles) x kScoreQueries; phase 2: 32 keys x kGradCols;
+  // Phase 1 warp tile: 32 keys (2 m-tiles) x kScoreQueries; phase 2: kGradKeys x kGradCols;
   // phase 3: kDqRows x kDqChunkCols at a time.
   constexpr int kScoreMTiles = 2, kScoreNTiles = Tile::kScoreQueries / 8;
-  // Dropout keep bits of the thread's score elements: 32 (kScoreQueries 32) or 64.
-  using KeepBits = std::conditional_t<kScoreMTiles * 2 * kScoreNTiles * 2 <= 32, uint32_t, uint64_t>;
+  constexpr int kGradMTiles = Tile::kGradKeys / 16;
   constexpr int kGradNTiles = Tile::kGradCols / 8;
   constexpr int kDqMTiles = Tile::kDqRows / 16;
-  // dQ needs dS, which the launch computing dK has.
-  const bool fused_dq = kDk && params.dq_accum != nullptr;
+  const bool fused_dq = params.dq_accum != nullptr;
 
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   Element* smem_k = reinterpret_cast<Element*>(smem_bytes);
   Element* smem_v = smem_k + kBlockKeys * kPitch;
   Element* smem_pt = smem_v + kBlockKeys * kPitch;                           // Pᵀ: keys x queries (dV)
-  Element* smem_dst = smem_pt + (kDv && kDk ? kBlockKeys * kDsPitch : 0);  // dSᵀ (dK, dQ); one tile if split
+  Element* smem_dst = smem_pt + kBlockKeys * kDsPitch;                       // dSᵀ: keys x queries (dK, dQ)
   Element* smem_q = smem_dst + kBlockKeys * kDsPitch;  // then num_stages tiles each of Q and dO
   Element* smem_dout = smem_q + num_stages * kQueryTileElements;
   float* smem_lse = reinterpret_cast<float*>(smem_dout + num_stages * kQueryTileElements);
@@ -141,7 +133,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
   // The warp's tiles in the three phases (within the block).
   const int score_first_key = warp % Tile::kScoreKeyWarps * 32;
   const int score_first_query = warp / Tile::kScoreKeyWarps * Tile::kScoreQueries;
-  const int grad_first_key = warp % Tile::kScoreKeyWarps * 32, grad_first_col = warp / Tile::kScoreKeyWarps * Tile::kGradCols;
+  const int grad_first_key = warp % Tile::kGradKeyWarps * Tile::kGradKeys;
+  const int grad_first_col = warp / Tile::kGradKeyWarps * Tile::kGradCols;
   const int dq_first_row = warp % Tile::kDqRowWarps * Tile::kDqRows, dq_first_col = warp / Tile::kDqRowWarps * Tile::kDqCols;
 
   // The CTA walks (query head of the GQA group, query block) pairs, over the query blocks holding
@@ -196,8 +189,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
     head = end_head;  // nothing to walk
   }
 
-  float acc_dv[kScoreMTiles][kGradNTiles][4] = {};
-  float acc_dk[kScoreMTiles][kGradNTiles][4] = {};
+  float acc_dv[kGradMTiles][kGradNTiles][4] = {};
+  float acc_dk[kGradMTiles][kGradNTiles][4] = {};
   // Phase 1 operands: A of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, B (rows are queries) of both.
   const uint32_t k_lane_addr = a_lane_address<kPitch>(smem_k + score_first_key * kPitch);
   const uint32_t v_lane_addr = a_lane_address<kPitch>(smem_v + score_first_key * kPitch);
@@ -239,18 +232,19 @@ __global__ void __launch_bounds__(Tile::kThreads)
       float acc_dp[kScoreMTiles][kScoreNTiles][4] = {};  // dPᵀ, then dSᵀ in place
       gemm_smem_abt<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kPitch, kPitch>(acc_s, k_lane_addr,
                                                                                          q_as_bt_addr + stage_offset);
-      if constexpr (kDk) {
-        gemm_smem_abt<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kPitch, kPitch>(
-            acc_dp, v_lane_addr, dout_as_bt_addr + stage_offset);
-      }
+      gemm_smem_abt<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kPitch, kPitch>(acc_dp, v_lane_addr,
+                                                                                         dout_as_bt_addr + stage_offset);
       const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
       // The diagonal key of this thread's first query column, as a float (ALiBi distances).
       const float first_query_on_diagonal = mod.row_on_diagonal(first_query + thread_query);
       // Dropout: bit (mi, half, nj, e) set = element kept (all set without dropout).
-      const KeepBits keep_bits = kExtras && params.has_dropout()
-                                     ? dkdv_keep_bits<kScoreMTiles, kScoreNTiles, KeepBits>(
-                                           params, batch, head, first_query + thread_query, thread_key)
-                                     : ~KeepBits{0};
+      uint32_t keep_bits = ~0u;
+      if constexpr (kExtras) {
+        if (params.has_dropout()) {
+          keep_bits = dkdv_keep_bits<kScoreMTiles, kScoreNTiles>(params, batch, head, first_query + thread_query,
+                                                                 thread_key);
+        }
+      }
       const float kept_scale = kExtras && params.has_dropout() ? params.dropout_scale : 1.f;
       // P (and dS) of every element; `masked`: whether any (query, key) of the block lies outside the
       // band or past the sequences' ends (a uniform branch: most blocks need no mask).
@@ -296,7 +290,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
                   p = visible ? exp2f(fmaf(acc_s[mi][nj][r], params.scale_log2, -lse_log2)) : 0.f;
                   acc_s[mi][nj][r] = p;
                 }
-                if constexpr (kDk) acc_dp[mi][nj][r] = p * grad_factor * (dp - block_d[query_in_block]);
+                acc_dp[mi][nj][r] = p * grad_factor * (dp - block_d[query_in_block]);
               }
             }
           }
@@ -323,29 +317,21 @@ __global__ void __launch_bounds__(Tile::kThreads)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int offset = (score_first_key + 16 * mi + lane / 4 + 8 * half) * kDsPitch + thread_query + 8 * nj;
-            if constexpr (kDv) {
-              *reinterpret_cast<uint32_t*>(smem_pt + offset) =
-                  pack_float2<Element>(acc_s[mi][nj][2 * half], acc_s[mi][nj][2 * half + 1]);
-            }
-            if constexpr (kDk) {
-              *reinterpret_cast<uint32_t*>(smem_dst + offset) =
-                  pack_float2<Element>(acc_dp[mi][nj][2 * half], acc_dp[mi][nj][2 * half + 1]);
-            }
+            *reinterpret_cast<uint32_t*>(smem_pt + offset) =
+                pack_float2<Element>(acc_s[mi][nj][2 * half], acc_s[mi][nj][2 * half + 1]);
+            *reinterpret_cast<uint32_t*>(smem_dst + offset) =
+                pack_float2<Element>(acc_dp[mi][nj][2 * half], acc_dp[mi][nj][2 * half + 1]);
           }
         }
       }
     }
     __syncthreads();  // Pᵀ and dSᵀ of the whole block are in shared memory
 
-    // ---- Phase 2: dV += Pᵀ·dO and dK += dSᵀ·Q for the warp's 32 keys x kGradCols columns.
-    if constexpr (kDv) {
-      gemm_smem_ab<Element, kScoreMTiles, kGradNTiles, kBlockQueries / 16, kDsPitch, kPitch, false>(
-          acc_dv, pt_lane_addr, dout_as_b_addr + stage_offset);
-    }
-    if constexpr (kDk) {
-      gemm_smem_ab<Element, kScoreMTiles, kGradNTiles, kBlockQueries / 16, kDsPitch, kPitch, false>(
-          acc_dk, dst_lane_addr, q_as_b_addr + stage_offset);
-    }
+    // ---- Phase 2: dV += Pᵀ·dO and dK += dSᵀ·Q for the warp's kGradKeys x kGradCols.
+    gemm_smem_ab<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kDsPitch, kPitch, false>(
+        acc_dv, pt_lane_addr, dout_as_b_addr + stage_offset);
+    gemm_smem_ab<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kDsPitch, kPitch, false>(
+        acc_dk, dst_lane_addr, q_as_b_addr + stage_offset);
 
     // ---- Phase 3: dQ (kBlockQueries x kHeadDim) += dS·K, added to the fp32 buffer with float2
     // atomics; the warp's columns go in chunks (the accumulator stays <= 32 floats beside dK, dV).
@@ -394,7 +380,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
   Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_strides.batch + kv_head * params.dv_strides.head;
   const int64_t first_packed_row = params.key_span(batch).begin;
 #pragma unroll
-  for (int mi = 0; mi < kScoreMTiles; ++mi) {
+  for (int mi = 0; mi < kGradMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int key_in_sequence = first_key + grad_first_key + 16 * mi + lane / 4 + 8 * half;
@@ -403,15 +389,11 @@ __global__ void __launch_bounds__(Tile::kThreads)
 #pragma unroll
       for (int nd = 0; nd < kGradNTiles; ++nd) {
         const int col = grad_first_col + nd * 8 + 2 * (lane % 4);
-        if constexpr (kDv) {
-          *reinterpret_cast<uint32_t*>(dv + key * params.dv_strides.row + col) =
-              pack_float2<Element>(acc_dv[mi][nd][2 * half], acc_dv[mi][nd][2 * half + 1]);
-        }
-        if constexpr (kDk) {
-          *reinterpret_cast<uint32_t*>(dk + key * params.dk_strides.row + col) =
-              pack_float2<Element>(acc_dk[mi][nd][2 * half] * params.softmax_scale,
-                                   acc_dk[mi][nd][2 * half + 1] * params.softmax_scale);
-        }
+        *reinterpret_cast<uint32_t*>(dv + key * params.dv_strides.row + col) =
+            pack_float2<Element>(acc_dv[mi][nd][2 * half], acc_dv[mi][nd][2 * half + 1]);
+        *reinterpret_cast<uint32_t*>(dk + key * params.dk_strides.row + col) =
+            pack_float2<Element>(acc_dk[mi][nd][2 * half] * params.softmax_scale,
+                                 acc_dk[mi][nd][2 * half + 1] * params.softmax_scale);
       }
     }
   }

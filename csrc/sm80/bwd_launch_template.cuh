@@ -13,7 +13,7 @@ namespace flash_ext::sm80 {
 // Query-block buffers of the dK/dV kernel: 2 (the next block's Q and dO load while this one
 // computes) unless the second buffer costs a CTA per SM or does not fit. With 8 warps of up to
 // 255 registers only one CTA fits per SM anyway, so it is a question of fitting: on an H200 (227 KB
-// per block) head_dim <= 192 double-buffers and 224, 256 do not; on an A100 (163 KB) head_dim <= 128.
+// per block) every head_dim double-buffers; on an A100 (163 KB) head_dim 32, 96 and 160.
 template <typename Tile>
 int dkdv_stages() {
   int device = 0, smem_per_sm = 0, smem_per_block = 0;
@@ -34,7 +34,6 @@ int dkdv_stages() {
 
 template <Elem16 kElem, int kHeadDim>
 void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
-  using Tile = BwdDkDvTile<kHeadDim>;
   using DqTile = BwdDqTile<kHeadDim>;
   using Element = ElementOf<kElem>;
   check_grid_limits(params, "backward");
@@ -52,29 +51,21 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
       <<<static_cast<unsigned>((num_warps + 7) / 8), 256, 0, stream>>>(params, rows_per_batch, num_rows);
   throw_on_cuda_error(cudaGetLastError(), "launching the backward preprocess kernel");
 
-  // 2. dK and dV (in two launches above head_dim 128; see BwdDkDvTile), and with params.dq_accum
-  //    the atomic dQ sums (in the launch that computes dK).
-  const int num_stages = dkdv_stages<Tile>();
-  const int smem_bytes = Tile::smem_bytes(num_stages);
-  auto launch_dkdv = [&](auto kernel) {
+  // 2. dK and dV, and with params.dq_accum the atomic dQ sums.
+  auto launch_dkdv = [&](auto tile) {
+    using Tile = decltype(tile);
+    const int num_stages = dkdv_stages<Tile>();
+    const int smem_bytes = Tile::smem_bytes(num_stages);
+    const auto kernel = attention_bwd_dkdv_kernel<Tile, Element>;
     set_smem_limit(kernel, smem_bytes, "the dK/dV kernel");
     const dim3 grid((params.seqlen_k + Tile::kBlockKeys - 1) / Tile::kBlockKeys, params.heads_kv, params.batch);
     kernel<<<grid, Tile::kThreads, smem_bytes, stream>>>(params, num_stages);
     throw_on_cuda_error(cudaGetLastError(), "launching the dK/dV kernel");
   };
-  auto launch_dkdv_grads = [&](auto extras_flag) {
-    constexpr bool kExtras = decltype(extras_flag)::value;
-    if constexpr (Tile::kSplitDkDv) {
-      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kOnlyDv, Element, kExtras>);
-      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kOnlyDk, Element, kExtras>);
-    } else {
-      launch_dkdv(attention_bwd_dkdv_kernel<Tile, KvGrads::kBoth, Element, kExtras>);
-    }
-  };
   if (extras) {
-    launch_dkdv_grads(std::true_type{});
+    launch_dkdv(BwdDkDvTile<kHeadDim, true>{});
   } else {
-    launch_dkdv_grads(std::false_type{});
+    launch_dkdv(BwdDkDvTile<kHeadDim, false>{});
   }
 
   // 3. dQ: rounded from the atomic sums, or computed by the deterministic dQ kernel.

@@ -3,17 +3,18 @@
 
 namespace flash_ext::sm80 {
 
-// dK/dV kernel: a CTA of 8 warps owns kBlockKeys = 128 keys and walks the query blocks of
+// dK/dV kernel: a CTA of 8 warps owns kBlockKeys keys and walks the query blocks of
 // kBlockQueries that can see them (128 up to head_dim 64, where the GEMMs' k-dimension is short and
 // the per-block costs -- syncs, softmax, atomics -- weigh more; 64 above, where registers are the
-// limit). Q, dO, lse and D of a query block are double-buffered (the next block loads while this one
+// limit, and in the variant with softcap / ALiBi / dropout (kExtras), which spills 68-220 bytes with
+// 128). Q, dO, lse and D of a query block are double-buffered (the next block loads while this one
 // computes) where shared memory allows (dkdv_stages in bwd_launch_template.cuh). Per query block,
 // three phases with differently shaped warp tiles, the score tiles handed between them through
 // shared memory (FlashAttention-2's layout):
-//   1. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys x queries): 4 x 2 warps of 32 keys x kBlockQueries/2
-//      queries; Pᵀ and dSᵀ go to shared memory as 16-bit tiles;
+//   1. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys x queries): kBlockKeys/32 x the rest warps of 32 keys x
+//      kScoreQueries; Pᵀ and dSᵀ go to shared memory as 16-bit tiles;
 //   2. dV += Pᵀ·dO, dK += dSᵀ·Q (keys x head_dim, accumulated in registers over the whole walk):
-//      4 x 2 warps of 32 keys x head_dim/2;
+//      warps of kGradKeys (32, or 16 where the columns would not be a multiple of 16) x kGradCols;
 //   3. dQ += dS·K (queries x head_dim, added to the fp32 buffer with atomics): warps of 32 queries
 //      x (head_dim / (8 / row warps)) columns, or of 16 queries where that column count is not a
 //      multiple of 16 (head_dim 96, 160, 224); columns in chunks of at most 32 accumulator floats.
@@ -21,24 +22,29 @@ namespace flash_ext::sm80 {
 // shared-memory bytes per mma than 16-key warps that keep P and dS in registers (192 -> 144 x4
 // ldmatrix per warp and block at head_dim 128), the resource the backward is bound by (ncu: L1 busy
 // 72-84% with 16-key warps).
-// Registers: dK and dV accumulators take head_dim / 2 floats each per thread; above head_dim 128
-// the two do not fit beside the score tiles, so dV and dK are produced by two launches (kSplitDkDv),
-// each recomputing P, and the launches share one 16-bit score tile in shared memory.
-template <int kHeadDim_>
+// Registers: dK and dV accumulators take kBlockKeys * head_dim / 256 floats each per thread. Up to
+// head_dim 128 a CTA owns 128 keys; above, 64 (FlashAttention-2's choice too): 128 keys' accumulators
+// do not fit beside the score tiles there.
+template <int kHeadDim_, bool kExtras_>
 struct BwdDkDvTile {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kExtras = kExtras_;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockKeys = 128;
-  static constexpr int kBlockQueries = kHeadDim <= 64 ? 128 : 64;
+  static constexpr int kBlockKeys = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kBlockQueries = kHeadDim <= 64 && !kExtras ? 128 : 64;
   static constexpr int kSmemRowPitch = kHeadDim + 8;     // elements; padding as FwdTile's
   static constexpr int kDsRowPitch = kBlockQueries + 8;  // Pᵀ and dSᵀ tiles (keys x queries), same padding rule
-  static constexpr bool kSplitDkDv = kHeadDim > 128;
-  // Phase 1: warp (w % 4, w / 4) computes keys 32 (w % 4) and queries kScoreQueries (w / 4).
+  // Phase 1: warp (w % kScoreKeyWarps, w / kScoreKeyWarps) computes keys 32 (...) and queries kScoreQueries (...).
   static constexpr int kScoreKeyWarps = kBlockKeys / 32;
   static constexpr int kScoreQueries = kBlockQueries / (kWarps / kScoreKeyWarps);
-  // Phase 2: warp (w % 4, w / 4) accumulates keys 32 (w % 4) and columns kGradCols (w / 4).
-  static constexpr int kGradCols = kHeadDim / 2;
+  // Phase 2: warp (w % kGradKeyWarps, w / kGradKeyWarps) accumulates keys kGradKeys (...) and columns kGradCols (...).
+  static constexpr int kGradColWarpsFor32Keys = kWarps / (kBlockKeys / 32);
+  static constexpr int kGradColWarps =
+      (kHeadDim / kGradColWarpsFor32Keys) % 16 == 0 ? kGradColWarpsFor32Keys : kGradColWarpsFor32Keys / 2;
+  static constexpr int kGradKeyWarps = kWarps / kGradColWarps;
+  static constexpr int kGradKeys = kBlockKeys / kGradKeyWarps;
+  static constexpr int kGradCols = kHeadDim / kGradColWarps;
   // Phase 3: warp (w % kDqRowWarps, w / kDqRowWarps) adds queries kDqRows (...) x columns kDqCols (...).
   static constexpr int kDqColWarpsFor32Rows = kWarps / (kBlockQueries / 32);
   static constexpr int kDqColWarps =
@@ -55,17 +61,16 @@ struct BwdDkDvTile {
     return best;
   }
   static constexpr int kDqChunkCols = dq_chunk_cols();
-  static constexpr int kScoreTiles = kSplitDkDv ? 1 : 2;  // Pᵀ and dSᵀ, or one of them per launch
 
-  // K and V, the 16-bit score tiles, then per stage a Q and a dO tile and the block's lse and D.
+  // K and V, the 16-bit Pᵀ and dSᵀ, then per stage a Q and a dO tile and the block's lse and D.
   static constexpr int smem_bytes(int stages) {
-    return (2 * kBlockKeys * kSmemRowPitch + kScoreTiles * kBlockKeys * kDsRowPitch) * 2 +
+    return (2 * kBlockKeys * kSmemRowPitch + 2 * kBlockKeys * kDsRowPitch) * 2 +
            stages * (2 * kBlockQueries * kSmemRowPitch * 2 + 2 * kBlockQueries * 4);
   }
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dims are multiples of 32 up to 256");
-  static_assert(kWarps == kScoreKeyWarps * 2 && kScoreQueries % 16 == 0, "phase 1 warp grid");
-  static_assert(kWarps == kScoreKeyWarps * 2 && kGradCols % 16 == 0, "phase 2 warp grid");
+  static_assert(kWarps % kScoreKeyWarps == 0 && kScoreQueries % 16 == 0, "phase 1 warp grid");
+  static_assert(kGradKeys % 16 == 0 && kGradCols % 16 == 0, "phase 2 warp grid");
   static_assert(kDqRows % 16 == 0 && kDqCols % 16 == 0, "phase 3 warp grid");
   static_assert(kThreads >= kBlockQueries, "one thread copies each query row's lse and D");
 };
