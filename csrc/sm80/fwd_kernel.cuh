@@ -232,6 +232,9 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   const uint32_t k_lane_addr = b_rows_n_lane_address<kPitch>(smem_k);
   const uint32_t v_lane_addr = b_rows_k_lane_address<kPitch>(smem_v);
 
+  // Softcap / ALiBi constants, formed once (a slope load and two divisions), not per key block.
+  const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
+
   auto process_key_block = [&](auto is_first, auto needs_mask) {
     // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
     cp_async_wait<0>();
@@ -244,9 +247,6 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     gemm_smem_abt<Element, kMTiles, kNTilesS, kHeadDim / 16, kPitch, kPitch>(acc_s, q_lane_addr, k_lane_addr);
 
     if constexpr (kExtras) {
-      // Formed per key block (a slope load and two divisions): kept across the loop, its registers
-      // made the hd128 variant spill.
-      const ScoreMod mod(params, batch, head, len_q, len_k);
       if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod);
     }
     if constexpr (decltype(needs_mask)::value) {
