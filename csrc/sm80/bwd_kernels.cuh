@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "../common/band_mask.cuh"
+#include "../common/dropout_bits.cuh"
 #include "../common/philox.h"
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
@@ -63,29 +64,6 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
   if (lane == 0) params.softmax_d[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = sum;
-}
-
-// Dropout keep bits of a dK/dV-kernel thread's score elements (phase 1 layout): bit
-// ((mi * 2 + half) * kNTiles + nj) * 2 + e for key thread_key + 16 mi + 8 half and query
-// thread_query + 8 nj + e. The element (query i, key j) is word j % 4 of the Philox call for
-// (row i, columns j / 4): one call per element here (in a loop that is not unrolled, to keep
-// registers).
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ uint32_t dkdv_keep_bits(const BwdParams& params, int batch, int head, int thread_query,
-                                                   int thread_key) {
-  static_assert(kMTiles * 2 * kNTiles * 2 <= 32, "one 32-bit keep mask (the extras tile's score tiles are small)");
-  const PhiloxSeedOffset rng = philox_seed_offset(params);
-  const uint64_t batch_head = static_cast<uint64_t>(batch) * params.heads_q + head;
-  uint32_t bits = 0;
-#pragma unroll 1
-  for (int i = 0; i < kMTiles * 2 * kNTiles * 2; ++i) {  // i = (mi, half, nj, e)
-    const int key = thread_key + 8 * (i / (2 * kNTiles));  // 16 mi + 8 half = 8 (i / (2 kNTiles))
-    const int query = thread_query + i / 2 % kNTiles * 8 + i % 2;
-    const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, query, key / 4);
-    const uint32_t word = key % 4 == 0 ? words.w[0] : key % 4 == 1 ? words.w[1] : key % 4 == 2 ? words.w[2] : words.w[3];
-    bits |= (dropout_keeps(word, params.dropout_threshold) ? 1u : 0u) << i;
-  }
-  return bits;
 }
 
 // num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (dkdv_stages).
@@ -241,8 +219,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
       uint32_t keep_bits = ~0u;
       if constexpr (kExtras) {
         if (params.has_dropout()) {
-          keep_bits = dkdv_keep_bits<kScoreMTiles, kScoreNTiles>(params, batch, head, first_query + thread_query,
-                                                                 thread_key);
+          keep_bits = transposed_keep_bits<kScoreMTiles, kScoreNTiles>(
+              philox_seed_offset(params), static_cast<uint64_t>(batch) * params.heads_q + head,
+              first_query + thread_query, thread_key, params.dropout_threshold);
         }
       }
       const float kept_scale = kExtras && params.has_dropout() ? params.dropout_scale : 1.f;
@@ -297,15 +276,13 @@ __global__ void __launch_bounds__(Tile::kThreads)
         }
       };
       // Unmasked: every query row of the block is valid and sees every key of it (band rows grow
-      // monotonically, so the corners decide; band.end clamps at len_k). The extras variant keeps
-      // one copy (a second spills registers at head_dim 128).
-      const bool block_unmasked = !kExtras && valid_queries == kBlockQueries &&
+      // monotonically, so the corners decide; band.end clamps at len_k).
+      const bool block_unmasked = valid_queries == kBlockQueries &&
                                   band.begin(first_query + kBlockQueries - 1) <= first_key &&
                                   band.end(first_query) >= first_key + kBlockKeys;
-      if constexpr (!kExtras) {
-        if (block_unmasked) scores_to_gradients(std::false_type{});
-      }
-      if (!block_unmasked) {
+      if (block_unmasked) {
+        scores_to_gradients(std::false_type{});
+      } else {
         scores_to_gradients(std::true_type{});
       }
       // 16-bit Pᵀ and dSᵀ to shared memory: accumulator registers (0, 1) of (mi, nj) are key row
@@ -509,10 +486,8 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
     gemm_smem_abt<Element, 1, kNTilesK, kHeadDim / 16, kPitch, kPitch>(acc_s, q_lane_addr, k_as_bt_addr);
     float acc_ds[1][kNTilesK][4] = {};  // dP, then dS in place
     gemm_smem_abt<Element, 1, kNTilesK, kHeadDim / 16, kPitch, kPitch>(acc_ds, dout_lane_addr, v_as_bt_addr);
-#pragma unroll
     const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
-    // Dropout keep bits: bit 2 * kNTilesK * half + 2 * nj + e for (row of `half`, key nj * 8 + 2 * (lane % 4) + e);
-    // those two keys are words column % 4 and +1 of one Philox call (column even).
+    // Dropout keep bits: bit 2 * kNTilesK * half + 2 * nj + e for (row of `half`, key nj * 8 + 2 * (lane % 4) + e).
     uint32_t keep_bits = ~0u;
     if constexpr (kExtras) {
       if (params.has_dropout()) {
@@ -520,16 +495,11 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
         const PhiloxSeedOffset rng = philox_seed_offset(params);
         const uint64_t batch_head = static_cast<uint64_t>(batch) * params.heads_q + head;
         keep_bits = 0;
-#pragma unroll 1
-        for (int i = 0; i < 2 * kNTilesK; ++i) {  // i = (half, nj)
-          const int half = i / kNTilesK, nj = i % kNTilesK;
-          const int row = first_query + warp * 16 + lane / 4 + 8 * half;
-          const int column = first_key + nj * 8 + 2 * (lane % 4);
-          const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, row, column / 4);
-          const uint32_t w0 = column % 4 == 0 ? words.w[0] : words.w[2];
-          const uint32_t w1 = column % 4 == 0 ? words.w[1] : words.w[3];
-          keep_bits |= ((dropout_keeps(w0, params.dropout_threshold) ? 1u : 0u) |
-                        (dropout_keeps(w1, params.dropout_threshold) ? 2u : 0u)) << (2 * i);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          keep_bits |= row_keep_bits<kNTilesK>(rng, batch_head, first_query + warp * 16 + lane / 4 + 8 * half,
+                                               first_key, params.dropout_threshold)
+                       << (2 * kNTilesK * half);
         }
       }
     }

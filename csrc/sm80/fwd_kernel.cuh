@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "../common/band_mask.cuh"
+#include "../common/dropout_bits.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/philox.h"
 #include "../common/ptx.cuh"
@@ -79,35 +80,22 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][
 }
 
 // Dropout on unnormalised probabilities, after the online softmax took them into the row sums (lse is
-// that of the undropped softmax): one Philox call gives the 4 words of columns 4c..4c+3 of a row; a
-// thread holds columns 2t, 2t+1 of each 8-column tile, words 0-1 or 2-3 of one call. The calls run in
-// a loop that is not unrolled, collecting keep bits (unrolled, 32 inlined Philox calls spilled ~700 B
-// at hd128); the bits are then applied with the accumulator indices known at compile time.
+// that of the undropped softmax). The keep bits come from common/dropout_bits.cuh; they are applied
+// with the accumulator indices known at compile time.
 template <int kMTiles, int kNTilesS>
 __device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
                                                    const FwdParams& params) {
-  static_assert(2 * kNTilesS <= 32, "one 32-bit keep mask per row");
   const int lane = threadIdx.x % 32;
   // Formed here, per key block, rather than kept in registers across the main loop.
   const PhiloxSeedOffset rng = philox_seed_offset(params);
   const uint64_t batch_head = static_cast<uint64_t>(blockIdx.z) * params.heads_q + blockIdx.y;
-  const uint32_t drop_threshold = params.dropout_threshold;
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = first_row + mi * 16 + lane / 4 + 8 * half;
-      uint32_t keep_bits = 0;  // bit 2 * nj + e: column nj * 8 + 2 * (lane % 4) + e is kept
-#pragma unroll 1
-      for (int nj = 0; nj < kNTilesS; ++nj) {
-        const int column = first_key + nj * 8 + 2 * (lane % 4);  // even: words column % 4 and +1
-        const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, row, column / 4);
-        const int word = column % 4;
-        const uint32_t w0 = word == 0 ? words.w[0] : words.w[2];
-        const uint32_t w1 = word == 0 ? words.w[1] : words.w[3];
-        keep_bits |= (dropout_keeps(w0, drop_threshold) ? 1u : 0u) << (2 * nj);
-        keep_bits |= (dropout_keeps(w1, drop_threshold) ? 1u : 0u) << (2 * nj + 1);
-      }
+      // Bit 2 * nj + e: column nj * 8 + 2 * (lane % 4) + e is kept.
+      const uint32_t keep_bits = row_keep_bits<kNTilesS>(rng, batch_head, row, first_key, params.dropout_threshold);
 #pragma unroll
       for (int nj = 0; nj < kNTilesS; ++nj) {
 #pragma unroll
