@@ -412,7 +412,9 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   Element* smem_q = reinterpret_cast<Element*>(smem_bytes);
   Element* smem_dout = smem_q + kBlockQueries * kPitch;
-  Element* smem_k = smem_dout + kBlockQueries * kPitch;
+  // Two stages of (K, V): the next key block loads while this one computes.
+  constexpr int kKvStageElements = 2 * kBlockKeys * kPitch;
+  Element* smem_k = smem_dout + kBlockQueries * kPitch;  // stage s: + s * kKvStageElements
   Element* smem_v = smem_k + kBlockKeys * kPitch;
 
   const int query_block = blockIdx.x;
@@ -466,26 +468,36 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
   const uint32_t v_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_v);
   const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k);  // B of dQ += dS·K
 
-  for (int key_block = first_key_block; key_block < num_key_blocks; ++key_block) {
+  // Starts the copies of one key block's K and V into buffer `stage`, as one group.
+  auto load_key_block = [&](int key_block, int stage) {
     const int first_key = key_block * kBlockKeys;
     const int64_t first_packed_key = params.key_span(batch).begin + first_key;
-    __syncthreads();  // every warp is done with the previous K and V
-    load_tile_async<Tile, kBlockKeys>(smem_k,
+    load_tile_async<Tile, kBlockKeys>(smem_k + stage * kKvStageElements,
                                       static_cast<const Element*>(params.k) + batch * params.k_strides.batch +
                                           kv_head * params.k_strides.head + first_packed_key * params.k_strides.row,
                                       params.k_strides.row, len_k - first_key);
-    load_tile_async<Tile, kBlockKeys>(smem_v,
+    load_tile_async<Tile, kBlockKeys>(smem_v + stage * kKvStageElements,
                                       static_cast<const Element*>(params.v) + batch * params.v_strides.batch +
                                           kv_head * params.v_strides.head + first_packed_key * params.v_strides.row,
                                       params.v_strides.row, len_k - first_key);
     cp_async_commit();
+  };
+  if (first_key_block < num_key_blocks) load_key_block(first_key_block, 0);
+
+  for (int key_block = first_key_block, stage = 0; key_block < num_key_blocks; ++key_block, stage ^= 1) {
+    const int first_key = key_block * kBlockKeys;
     cp_async_wait<0>();
+    // This block's K and V (and Q, dO the first time) have landed for every thread; every warp is
+    // done with the other buffer (the previous block): the next block may load into it.
     __syncthreads();
+    if (key_block + 1 < num_key_blocks) load_key_block(key_block + 1, stage ^ 1);
+    const uint32_t stage_offset = stage * kKvStageElements * sizeof(Element);
 
     float acc_s[1][kNTilesK][4] = {};
-    gemm_smem_abt<Element, 1, kNTilesK, kHeadDim / 16, kPitch, kPitch>(acc_s, q_lane_addr, k_as_bt_addr);
+    gemm_smem_abt<Element, 1, kNTilesK, kHeadDim / 16, kPitch, kPitch>(acc_s, q_lane_addr, k_as_bt_addr + stage_offset);
     float acc_ds[1][kNTilesK][4] = {};  // dP, then dS in place
-    gemm_smem_abt<Element, 1, kNTilesK, kHeadDim / 16, kPitch, kPitch>(acc_ds, dout_lane_addr, v_as_bt_addr);
+    gemm_smem_abt<Element, 1, kNTilesK, kHeadDim / 16, kPitch, kPitch>(acc_ds, dout_lane_addr,
+                                                                        v_as_bt_addr + stage_offset);
     const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
     // Dropout keep bits: bit 2 * kNTilesK * half + 2 * nj + e for (row of `half`, key nj * 8 + 2 * (lane % 4) + e).
     uint32_t keep_bits = ~0u;
@@ -536,7 +548,7 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
     }
     uint32_t ds_frag[1][kBlockKeys / 16][4];
     accumulator_to_a_fragments<Element>(acc_ds, ds_frag);
-    gemm_rs_ab<Element, 1, kNTilesD, kBlockKeys / 16, kPitch>(acc_dq, ds_frag, k_as_b_addr);
+    gemm_rs_ab<Element, 1, kNTilesD, kBlockKeys / 16, kPitch>(acc_dq, ds_frag, k_as_b_addr + stage_offset);
   }
 
   Element* dq = static_cast<Element*>(params.dq) + batch * params.dq_strides.batch + head * params.dq_strides.head;

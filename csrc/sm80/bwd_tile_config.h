@@ -77,7 +77,7 @@ struct BwdDkDvTile {
 
 // dQ kernel (deterministic path only): a CTA of 4 warps owns kBlockQueries = 64 queries (16 per
 // warp) and walks key blocks of kBlockKeys (32 above head_dim 128, where its 16 x head_dim dQ
-// accumulator takes half the registers; 64 spilled there).
+// accumulator takes half the registers; 64 spilled there), K and V double-buffered.
 template <int kHeadDim_>
 struct BwdDqTile {
   static constexpr int kHeadDim = kHeadDim_;
@@ -86,8 +86,8 @@ struct BwdDqTile {
   static constexpr int kBlockQueries = 16 * kWarps;
   static constexpr int kBlockKeys = kHeadDim <= 128 ? 64 : 32;
   static constexpr int kSmemRowPitch = kHeadDim + 8;
-  // Q, dO, K and V tiles.
-  static constexpr int kSmemBytes = (2 * kBlockQueries + 2 * kBlockKeys) * kSmemRowPitch * 2;
+  // Q and dO tiles, and two stages of K and V tiles (the next key block loads during this one).
+  static constexpr int kSmemBytes = (2 * kBlockQueries + 2 * 2 * kBlockKeys) * kSmemRowPitch * 2;
 };
 
 }  // namespace flash_ext::sm80
