@@ -400,8 +400,10 @@ __global__ void __launch_bounds__(256)
   *reinterpret_cast<uint4*>(dq) = packed;
 }
 
+// num_stages (1 or 2): key-block buffers in shared memory, chosen by the host (buffer_stages).
 template <typename Tile, typename Element, bool kExtras>
-__global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const __grid_constant__ BwdParams params) {
+__global__ void __launch_bounds__(Tile::kThreads)
+    attention_bwd_dq_kernel(const __grid_constant__ BwdParams params, const int num_stages) {
   constexpr int kHeadDim = Tile::kHeadDim;
   constexpr int kPitch = Tile::kSmemRowPitch;
   constexpr int kBlockKeys = Tile::kBlockKeys;
@@ -412,7 +414,7 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   Element* smem_q = reinterpret_cast<Element*>(smem_bytes);
   Element* smem_dout = smem_q + kBlockQueries * kPitch;
-  // Two stages of (K, V): the next key block loads while this one computes.
+  // num_stages buffers of (K, V).
   constexpr int kKvStageElements = 2 * kBlockKeys * kPitch;
   Element* smem_k = smem_dout + kBlockQueries * kPitch;  // stage s: + s * kKvStageElements
   Element* smem_v = smem_k + kBlockKeys * kPitch;
@@ -484,13 +486,14 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
   };
   if (first_key_block < num_key_blocks) load_key_block(first_key_block, 0);
 
-  for (int key_block = first_key_block, stage = 0; key_block < num_key_blocks; ++key_block, stage ^= 1) {
+  for (int key_block = first_key_block, stage = 0; key_block < num_key_blocks; ++key_block) {
     const int first_key = key_block * kBlockKeys;
+    const bool has_next = key_block + 1 < num_key_blocks;
     cp_async_wait<0>();
     // This block's K and V (and Q, dO the first time) have landed for every thread; every warp is
     // done with the other buffer (the previous block): the next block may load into it.
     __syncthreads();
-    if (key_block + 1 < num_key_blocks) load_key_block(key_block + 1, stage ^ 1);
+    if (num_stages == 2 && has_next) load_key_block(key_block + 1, stage ^ 1);
     const uint32_t stage_offset = stage * kKvStageElements * sizeof(Element);
 
     float acc_s[1][kNTilesK][4] = {};
@@ -549,6 +552,12 @@ __global__ void __launch_bounds__(Tile::kThreads) attention_bwd_dq_kernel(const 
     uint32_t ds_frag[1][kBlockKeys / 16][4];
     accumulator_to_a_fragments<Element>(acc_ds, ds_frag);
     gemm_rs_ab<Element, 1, kNTilesD, kBlockKeys / 16, kPitch>(acc_dq, ds_frag, k_as_b_addr + stage_offset);
+
+    if (num_stages == 1 && has_next) {
+      __syncthreads();  // every warp is done with this block's K and V
+      load_key_block(key_block + 1, 0);
+    }
+    if (num_stages == 2) stage ^= 1;
   }
 
   Element* dq = static_cast<Element*>(params.dq) + batch * params.dq_strides.batch + head * params.dq_strides.head;

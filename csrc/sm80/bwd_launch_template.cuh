@@ -10,12 +10,13 @@
 
 namespace flash_ext::sm80 {
 
-// Query-block buffers of the dK/dV kernel: 2 (the next block's Q and dO load while this one
-// computes) unless the second buffer costs a CTA per SM or does not fit. With 8 warps of up to
-// 255 registers only one CTA fits per SM anyway, so it is a question of fitting: on an H200 (227 KB
-// per block) every head_dim double-buffers; on an A100 (163 KB) head_dim 32, 96 and 160.
+// Buffers for the tiles a backward kernel streams (the dK/dV kernel's query blocks, the dQ kernel's
+// key blocks): 2 (the next block loads while this one computes) unless the second buffer costs a
+// CTA per SM or does not fit. The dK/dV kernel (8 warps of up to 255 registers) fits one CTA per SM
+// anyway, so for it this is a question of fitting: on an H200 (227 KB per block) every head_dim
+// double-buffers; on an A100 (163 KB) head_dim 32, 96 and 160. The dQ kernel (4 warps) fits two.
 template <typename Tile>
-int dkdv_stages() {
+int buffer_stages() {
   int device = 0, smem_per_sm = 0, smem_per_block = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "querying the current device");
   throw_on_cuda_error(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
@@ -54,7 +55,7 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   // 2. dK and dV, and with params.dq_accum the atomic dQ sums.
   auto launch_dkdv = [&](auto tile) {
     using Tile = decltype(tile);
-    const int num_stages = dkdv_stages<Tile>();
+    const int num_stages = buffer_stages<Tile>();
     const int smem_bytes = Tile::smem_bytes(num_stages);
     const auto kernel = attention_bwd_dkdv_kernel<Tile, Element>;
     set_smem_limit(kernel, smem_bytes, "the dK/dV kernel");
@@ -77,9 +78,11 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   } else {
     const auto dq_kernel = extras ? attention_bwd_dq_kernel<DqTile, Element, true>
                                      : attention_bwd_dq_kernel<DqTile, Element, false>;
-    set_smem_limit(dq_kernel, DqTile::kSmemBytes, "the dQ kernel");
+    const int num_stages = buffer_stages<DqTile>();
+    const int smem_bytes = DqTile::smem_bytes(num_stages);
+    set_smem_limit(dq_kernel, smem_bytes, "the dQ kernel");
     const dim3 grid((params.seqlen_q + DqTile::kBlockQueries - 1) / DqTile::kBlockQueries, params.heads_q, params.batch);
-    dq_kernel<<<grid, DqTile::kThreads, DqTile::kSmemBytes, stream>>>(params);
+    dq_kernel<<<grid, DqTile::kThreads, smem_bytes, stream>>>(params, num_stages);
     throw_on_cuda_error(cudaGetLastError(), "launching the dQ kernel");
   }
 }

@@ -77,7 +77,9 @@ struct BwdDkDvTile {
 
 // dQ kernel (deterministic path only): a CTA of 4 warps owns kBlockQueries = 64 queries (16 per
 // warp) and walks key blocks of kBlockKeys (32 above head_dim 128, where its 16 x head_dim dQ
-// accumulator takes half the registers; 64 spilled there), K and V double-buffered.
+// accumulator takes half the registers; 64 spilled there). K and V are double-buffered where that
+// costs no CTA per SM (buffer_stages in bwd_launch_template.cuh): at head_dim 256 the second buffer
+// took the H200 from 2 CTAs per SM to 1 and the kernel lost 5-7%; at 64 / 128 it gained 4-5%.
 template <int kHeadDim_>
 struct BwdDqTile {
   static constexpr int kHeadDim = kHeadDim_;
@@ -86,8 +88,10 @@ struct BwdDqTile {
   static constexpr int kBlockQueries = 16 * kWarps;
   static constexpr int kBlockKeys = kHeadDim <= 128 ? 64 : 32;
   static constexpr int kSmemRowPitch = kHeadDim + 8;
-  // Q and dO tiles, and two stages of K and V tiles (the next key block loads during this one).
-  static constexpr int kSmemBytes = (2 * kBlockQueries + 2 * 2 * kBlockKeys) * kSmemRowPitch * 2;
+  // Q and dO tiles, and per stage a K and a V tile.
+  static constexpr int smem_bytes(int stages) {
+    return (2 * kBlockQueries + stages * 2 * kBlockKeys) * kSmemRowPitch * 2;
+  }
 };
 
 }  // namespace flash_ext::sm80
