@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(256)
   if (lane == 0) params.softmax_d[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = sum;
 }
 
-// num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (dkdv_stages).
+// num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (buffer_stages).
 // Tile::kExtras: softcap, ALiBi or dropout is on (common/score_mod.cuh, common/philox.h).
 // The three phases per query block and their warp tiles: BwdDkDvTile.
 template <typename Tile, typename Element>

@@ -8,7 +8,7 @@ namespace flash_ext::sm80 {
 // the per-block costs -- syncs, softmax, atomics -- weigh more; 64 above, where registers are the
 // limit, and in the variant with softcap / ALiBi / dropout (kExtras), which spills 68-220 bytes with
 // 128). Q, dO, lse and D of a query block are double-buffered (the next block loads while this one
-// computes) where shared memory allows (dkdv_stages in bwd_launch_template.cuh). Per query block,
+// computes) where shared memory allows (buffer_stages in bwd_launch_template.cuh). Per query block,
 // three phases with differently shaped warp tiles, the score tiles handed between them through
 // shared memory (FlashAttention-2's layout):
 //   1. Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (keys x queries): kBlockKeys/32 x the rest warps of 32 keys x
