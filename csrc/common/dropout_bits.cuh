@@ -32,8 +32,9 @@ __device__ __forceinline__ uint32_t row_keep_bits(const PhiloxSeedOffset& rng, u
     const uint32_t their0 = pair_half == 0 ? words.w[2] : words.w[0], their1 = pair_half == 0 ? words.w[3] : words.w[1];
     own_bits |= ((dropout_keeps(own0, drop_threshold) ? 1u : 0u) | (dropout_keeps(own1, drop_threshold) ? 2u : 0u))
                 << (2 * nj);
-    their_bits |= ((dropout_keeps(their0, drop_threshold) ? 1u : 0u) | (dropout_keeps(their1, drop_threshold) ? 2u : 0u))
-                  << (2 * nj);
+    their_bits |=
+        ((dropout_keeps(their0, drop_threshold) ? 1u : 0u) | (dropout_keeps(their1, drop_threshold) ? 2u : 0u))
+        << (2 * nj);
   }
   return own_bits | __shfl_xor_sync(0xffffffff, their_bits, 1);
 }
@@ -52,12 +53,12 @@ __device__ __forceinline__ uint32_t transposed_keep_bits(const PhiloxSeedOffset&
   constexpr int kCallsPerLane = kBits / 4;
   static_assert(kBits <= 32 && kCallsPerLane <= 8, "one 32-bit mask; a byte per word");
   const int lane = threadIdx.x % 32;
-  const int word_of_lane = lane / 4 % 4;                   // = key % 4 of every key this lane holds
+  const int word_of_lane = lane / 4 % 4;                  // = key % 4 of every key this lane holds
   const int group_first_key = thread_key - word_of_lane;  // first key of thread_key's group of four
   uint32_t computed = 0;  // bit 8 * word + c: whether word `word` of this lane's call c keeps its element
 #pragma unroll 1
   for (int c = 0; c < kCallsPerLane; ++c) {
-    const int i = word_of_lane * kCallsPerLane + c;  // the bit index (mi, half, nj, e) this call serves
+    const int i = word_of_lane * kCallsPerLane + c;             // the bit index (mi, half, nj, e) this call serves
     const int key = group_first_key + 8 * (i / (2 * kNTiles));  // 16 mi + 8 half = 8 (i / (2 kNTiles))
     const int query = thread_query + i / 2 % kNTiles * 8 + i % 2;
     const PhiloxWords words = dropout_random_words(rng.seed, rng.offset, batch_head, query, key / 4);

@@ -52,23 +52,51 @@ __device__ __forceinline__ uint32_t b_rows_k_lane_address(const Element* tile) {
   return smem_address(tile + (lane % 8 + (lane / 8 % 2) * 8) * kPitch + lane / 16 * 8);
 }
 
-// acc += A · Bᵀ with A (kMTiles*16 x kKSteps*16) and B (kNTiles*8 rows x kKSteps*16) both in
-// shared memory, B's rows being the output columns.
-template <typename Element, int kMTiles, int kNTiles, int kKSteps, int kAPitch, int kBPitch>
-__device__ __forceinline__ void gemm_smem_abt(float (&acc)[kMTiles][kNTiles][4], uint32_t a_lane_addr,
-                                              uint32_t b_lane_addr) {
+// How an operand tile lies in shared memory: kRowsAreMN, the tile's rows are the operand's M (A) or
+// N (B) index, contiguous along k ("B rows are N": K in Q·Kᵀ); kRowsAreK, the tile's rows run along
+// k, contiguous along M or N ("B rows are K": V in P·V; for A, a transposed tile such as dSᵀ read
+// as dS), loaded with ldmatrix.trans. The lane address comes from a_lane_address,
+// a_transposed_lane_address, b_rows_n_lane_address or b_rows_k_lane_address respectively.
+enum class SmemLayout { kRowsAreMN, kRowsAreK };
+constexpr SmemLayout kRowsAreMN = SmemLayout::kRowsAreMN;
+constexpr SmemLayout kRowsAreK = SmemLayout::kRowsAreK;
+
+// The A fragment of 16-row block mi, k-step kstep.
+template <typename Element, SmemLayout kLayout, int kPitch>
+__device__ __forceinline__ void load_a_fragment(uint32_t (&frag)[4], uint32_t lane_addr, int mi, int kstep) {
+  if constexpr (kLayout == SmemLayout::kRowsAreMN) {
+    ldmatrix_x4(frag, lane_addr + (mi * 16 * kPitch + kstep * 16) * sizeof(Element));
+  } else {
+    ldmatrix_x4_trans(frag, lane_addr + (kstep * 16 * kPitch + mi * 16) * sizeof(Element));
+  }
+}
+
+// The B fragments of n-tiles nj and nj + 1, k-step kstep: {b0, b1} of nj, then of nj + 1.
+template <typename Element, SmemLayout kLayout, int kPitch>
+__device__ __forceinline__ void load_b_fragments(uint32_t (&frag)[4], uint32_t lane_addr, int nj, int kstep) {
+  if constexpr (kLayout == SmemLayout::kRowsAreMN) {
+    ldmatrix_x4(frag, lane_addr + (nj * 8 * kPitch + kstep * 16) * sizeof(Element));
+  } else {
+    ldmatrix_x4_trans(frag, lane_addr + (kstep * 16 * kPitch + nj * 8) * sizeof(Element));
+  }
+}
+
+// acc += A · B with A (kMTiles*16 x kKSteps*16) and B (kKSteps*16 x kNTiles*8) both in shared
+// memory, laid out as kA and kB say.
+template <typename Element, int kMTiles, int kNTiles, int kKSteps, SmemLayout kA, int kAPitch, SmemLayout kB,
+          int kBPitch>
+__device__ __forceinline__ void gemm_smem(float (&acc)[kMTiles][kNTiles][4], uint32_t a_lane_addr,
+                                          uint32_t b_lane_addr) {
   static_assert(kNTiles % 2 == 0, "B fragments are loaded two n-tiles at a time");
 #pragma unroll
   for (int kstep = 0; kstep < kKSteps; ++kstep) {
     uint32_t a_frag[kMTiles][4];
 #pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-      ldmatrix_x4(a_frag[mi], a_lane_addr + (mi * 16 * kAPitch + kstep * 16) * sizeof(Element));
-    }
+    for (int mi = 0; mi < kMTiles; ++mi) load_a_fragment<Element, kA, kAPitch>(a_frag[mi], a_lane_addr, mi, kstep);
 #pragma unroll
     for (int nj = 0; nj < kNTiles; nj += 2) {
       uint32_t b_frag[4];
-      ldmatrix_x4(b_frag, b_lane_addr + (nj * 8 * kBPitch + kstep * 16) * sizeof(Element));
+      load_b_fragments<Element, kB, kBPitch>(b_frag, b_lane_addr, nj, kstep);
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
         mma_m16n8k16<Element>(acc[mi][nj], a_frag[mi], b_frag[0], b_frag[1]);
@@ -89,42 +117,11 @@ __device__ __forceinline__ void gemm_rs_ab(float (&acc)[kMTiles][kNTiles][4],
 #pragma unroll
     for (int nj = 0; nj < kNTiles; nj += 2) {
       uint32_t b_frag[4];
-      ldmatrix_x4_trans(b_frag, b_lane_addr + (kstep * 16 * kBPitch + nj * 8) * sizeof(Element));
+      load_b_fragments<Element, SmemLayout::kRowsAreK, kBPitch>(b_frag, b_lane_addr, nj, kstep);
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
         mma_m16n8k16<Element>(acc[mi][nj], a_frag[mi][kstep], b_frag[0], b_frag[1]);
         mma_m16n8k16<Element>(acc[mi][nj + 1], a_frag[mi][kstep], b_frag[2], b_frag[3]);
-      }
-    }
-  }
-}
-
-// acc += A · B with both operands in shared memory: A (kMTiles*16 rows x kKSteps*16) stored row-major,
-// or, with kATransposed, stored as its transpose (the tile's rows are k, contiguous along A's rows;
-// address from a_transposed_lane_address); B's rows run along k, as in gemm_rs_ab.
-template <typename Element, int kMTiles, int kNTiles, int kKSteps, int kAPitch, int kBPitch, bool kATransposed>
-__device__ __forceinline__ void gemm_smem_ab(float (&acc)[kMTiles][kNTiles][4], uint32_t a_lane_addr,
-                                             uint32_t b_lane_addr) {
-  static_assert(kNTiles % 2 == 0, "B fragments are loaded two n-tiles at a time");
-#pragma unroll
-  for (int kstep = 0; kstep < kKSteps; ++kstep) {
-    uint32_t a_frag[kMTiles][4];
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-      if constexpr (kATransposed) {
-        ldmatrix_x4_trans(a_frag[mi], a_lane_addr + (kstep * 16 * kAPitch + mi * 16) * sizeof(Element));
-      } else {
-        ldmatrix_x4(a_frag[mi], a_lane_addr + (mi * 16 * kAPitch + kstep * 16) * sizeof(Element));
-      }
-    }
-#pragma unroll
-    for (int nj = 0; nj < kNTiles; nj += 2) {
-      uint32_t b_frag[4];
-      ldmatrix_x4_trans(b_frag, b_lane_addr + (kstep * 16 * kBPitch + nj * 8) * sizeof(Element));
-#pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi) {
-        mma_m16n8k16<Element>(acc[mi][nj], a_frag[mi], b_frag[0], b_frag[1]);
-        mma_m16n8k16<Element>(acc[mi][nj + 1], a_frag[mi], b_frag[2], b_frag[3]);
       }
     }
   }

@@ -90,9 +90,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   Element* smem_k = reinterpret_cast<Element*>(smem_bytes);
   Element* smem_v = smem_k + kBlockKeys * kPitch;
-  Element* smem_pt = smem_v + kBlockKeys * kPitch;                           // Pᵀ: keys x queries (dV)
-  Element* smem_dst = smem_pt + kBlockKeys * kDsPitch;                       // dSᵀ: keys x queries (dK, dQ)
-  Element* smem_q = smem_dst + kBlockKeys * kDsPitch;  // then num_stages tiles each of Q and dO
+  Element* smem_pt = smem_v + kBlockKeys * kPitch;      // Pᵀ: keys x queries (dV)
+  Element* smem_dst = smem_pt + kBlockKeys * kDsPitch;  // dSᵀ: keys x queries (dK, dQ)
+  Element* smem_q = smem_dst + kBlockKeys * kDsPitch;   // then num_stages tiles each of Q and dO
   Element* smem_dout = smem_q + num_stages * kQueryTileElements;
   float* smem_lse = reinterpret_cast<float*>(smem_dout + num_stages * kQueryTileElements);
   float* smem_d = smem_lse + num_stages * kBlockQueries;
@@ -113,7 +113,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
   const int score_first_query = warp / Tile::kScoreKeyWarps * Tile::kScoreQueries;
   const int grad_first_key = warp % Tile::kGradKeyWarps * Tile::kGradKeys;
   const int grad_first_col = warp / Tile::kGradKeyWarps * Tile::kGradCols;
-  const int dq_first_row = warp % Tile::kDqRowWarps * Tile::kDqRows, dq_first_col = warp / Tile::kDqRowWarps * Tile::kDqCols;
+  const int dq_first_row = warp % Tile::kDqRowWarps * Tile::kDqRows,
+            dq_first_col = warp / Tile::kDqRowWarps * Tile::kDqCols;
 
   // The CTA walks (query head of the GQA group, query block) pairs, over the query blocks holding
   // a row that sees a key of this block (causal / window band).
@@ -133,11 +134,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
                                          static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
                                              head * params.q_strides.head + packed_row * params.q_strides.row,
                                          params.q_strides.row, valid_queries);
-    load_tile_async<Tile, kBlockQueries>(
-        smem_dout + stage * kQueryTileElements,
-        static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
-            head * params.dout_strides.head + packed_row * params.dout_strides.row,
-        params.dout_strides.row, valid_queries);
+    load_tile_async<Tile, kBlockQueries>(smem_dout + stage * kQueryTileElements,
+                                         static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
+                                             head * params.dout_strides.head + packed_row * params.dout_strides.row,
+                                         params.dout_strides.row, valid_queries);
     if (threadIdx.x < kBlockQueries) {
       const int i = threadIdx.x;
       const bool valid = i < valid_queries;
@@ -208,10 +208,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
     {
       float acc_s[kScoreMTiles][kScoreNTiles][4] = {};   // Sᵀ, then Pᵀ in place (dropped and rescaled)
       float acc_dp[kScoreMTiles][kScoreNTiles][4] = {};  // dPᵀ, then dSᵀ in place
-      gemm_smem_abt<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kPitch, kPitch>(acc_s, k_lane_addr,
-                                                                                         q_as_bt_addr + stage_offset);
-      gemm_smem_abt<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kPitch, kPitch>(acc_dp, v_lane_addr,
-                                                                                         dout_as_bt_addr + stage_offset);
+      gemm_smem<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(
+          acc_s, k_lane_addr, q_as_bt_addr + stage_offset);
+      gemm_smem<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(
+          acc_dp, v_lane_addr, dout_as_bt_addr + stage_offset);
       const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
       // The diagonal key of this thread's first query column, as a float (ALiBi distances).
       const float first_query_on_diagonal = mod.row_on_diagonal(first_query + thread_query);
@@ -257,9 +257,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
                 float p, dp = acc_dp[mi][nj][r], grad_factor = 1.f;
                 if constexpr (kExtras) {
                   float tanh_value;
-                  const float modified = mod.raw_score(acc_s[mi][nj][r],
-                                                       first_query_on_diagonal + static_cast<float>(nj * 8 + e),
-                                                       static_cast<float>(key), tanh_value);
+                  const float modified =
+                      mod.raw_score(acc_s[mi][nj][r], first_query_on_diagonal + static_cast<float>(nj * 8 + e),
+                                    static_cast<float>(key), tanh_value);
                   p = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
                   grad_factor = 1.f - tanh_value * tanh_value;
                   const bool kept = keep_bits >> (((mi * 2 + half) * kScoreNTiles + nj) * 2 + e) & 1;
@@ -305,9 +305,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
     __syncthreads();  // Pᵀ and dSᵀ of the whole block are in shared memory
 
     // ---- Phase 2: dV += Pᵀ·dO and dK += dSᵀ·Q for the warp's kGradKeys x kGradCols.
-    gemm_smem_ab<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kDsPitch, kPitch, false>(
+    gemm_smem<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kRowsAreMN, kDsPitch, kRowsAreK, kPitch>(
         acc_dv, pt_lane_addr, dout_as_b_addr + stage_offset);
-    gemm_smem_ab<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kDsPitch, kPitch, false>(
+    gemm_smem<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kRowsAreMN, kDsPitch, kRowsAreK, kPitch>(
         acc_dk, dst_lane_addr, q_as_b_addr + stage_offset);
 
     // ---- Phase 3: dQ (kBlockQueries x kHeadDim) += dS·K, added to the fp32 buffer with float2
@@ -318,15 +318,15 @@ __global__ void __launch_bounds__(Tile::kThreads)
       const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k + dq_first_col);           // B: K
       const int64_t dq_row_stride = static_cast<int64_t>(params.heads_q) * kHeadDim;
       // dq_accum rows follow q's rows: (batch, seqlen_q) dense, total_q packed.
-      const int64_t accum_row = (params.is_varlen() ? params.query_span(batch).begin
-                                                    : static_cast<int64_t>(batch) * params.seqlen_q) +
-                                first_query + dq_first_row + lane / 4;
+      const int64_t accum_row =
+          (params.is_varlen() ? params.query_span(batch).begin : static_cast<int64_t>(batch) * params.seqlen_q) +
+          first_query + dq_first_row + lane / 4;
       float* dq_accum_row =
           params.dq_accum + (accum_row * params.heads_q + head) * kHeadDim + dq_first_col + 2 * (lane % 4);
 #pragma unroll
       for (int chunk = 0; chunk < Tile::kDqCols / kChunkCols; ++chunk) {
         float acc_dq[kDqMTiles][kChunkCols / 8][4] = {};
-        gemm_smem_ab<Element, kDqMTiles, kChunkCols / 8, kBlockKeys / 16, kDsPitch, kPitch, true>(
+        gemm_smem<Element, kDqMTiles, kChunkCols / 8, kBlockKeys / 16, kRowsAreK, kDsPitch, kRowsAreK, kPitch>(
             acc_dq, ds_lane_addr, k_as_b_addr + chunk * kChunkCols * sizeof(Element));
 #pragma unroll
         for (int mi = 0; mi < kDqMTiles; ++mi) {
@@ -368,9 +368,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
         const int col = grad_first_col + nd * 8 + 2 * (lane % 4);
         *reinterpret_cast<uint32_t*>(dv + key * params.dv_strides.row + col) =
             pack_float2<Element>(acc_dv[mi][nd][2 * half], acc_dv[mi][nd][2 * half + 1]);
-        *reinterpret_cast<uint32_t*>(dk + key * params.dk_strides.row + col) =
-            pack_float2<Element>(acc_dk[mi][nd][2 * half] * params.softmax_scale,
-                                 acc_dk[mi][nd][2 * half + 1] * params.softmax_scale);
+        *reinterpret_cast<uint32_t*>(dk + key * params.dk_strides.row + col) = pack_float2<Element>(
+            acc_dk[mi][nd][2 * half] * params.softmax_scale, acc_dk[mi][nd][2 * half + 1] * params.softmax_scale);
       }
     }
   }
@@ -437,11 +436,11 @@ __global__ void __launch_bounds__(Tile::kThreads)
                                        static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
                                            head * params.q_strides.head + first_packed_query * params.q_strides.row,
                                        params.q_strides.row, valid_queries);
-  load_tile_async<Tile, kBlockQueries>(
-      smem_dout,
-      static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch + head * params.dout_strides.head +
-          first_packed_query * params.dout_strides.row,
-      params.dout_strides.row, valid_queries);
+  load_tile_async<Tile, kBlockQueries>(smem_dout,
+                                       static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
+                                           head * params.dout_strides.head +
+                                           first_packed_query * params.dout_strides.row,
+                                       params.dout_strides.row, valid_queries);
   cp_async_commit();
 
   // This thread's two rows: lse (as a base-2 exponent) and D.
@@ -497,10 +496,11 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const uint32_t stage_offset = stage * kKvStageElements * sizeof(Element);
 
     float acc_s[1][kNTilesK][4] = {};
-    gemm_smem_abt<Element, 1, kNTilesK, kHeadDim / 16, kPitch, kPitch>(acc_s, q_lane_addr, k_as_bt_addr + stage_offset);
+    gemm_smem<Element, 1, kNTilesK, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(acc_s, q_lane_addr,
+                                                                                           k_as_bt_addr + stage_offset);
     float acc_ds[1][kNTilesK][4] = {};  // dP, then dS in place
-    gemm_smem_abt<Element, 1, kNTilesK, kHeadDim / 16, kPitch, kPitch>(acc_ds, dout_lane_addr,
-                                                                        v_as_bt_addr + stage_offset);
+    gemm_smem<Element, 1, kNTilesK, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(acc_ds, dout_lane_addr,
+                                                                                           v_as_bt_addr + stage_offset);
     const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
     // Dropout keep bits: bit 2 * kNTilesK * half + 2 * nj + e for (row of `half`, key nj * 8 + 2 * (lane % 4) + e).
     uint32_t keep_bits = ~0u;
@@ -568,9 +568,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const int64_t row = params.query_span(batch).begin + first_query + row_in_block;  // row in the (packed) dq
 #pragma unroll
     for (int nd = 0; nd < kNTilesD; ++nd) {
-      *reinterpret_cast<uint32_t*>(dq + row * params.dq_strides.row + nd * 8 + 2 * (lane % 4)) =
-          pack_float2<Element>(acc_dq[0][nd][2 * half] * params.softmax_scale,
-                               acc_dq[0][nd][2 * half + 1] * params.softmax_scale);
+      *reinterpret_cast<uint32_t*>(dq + row * params.dq_strides.row + nd * 8 + 2 * (lane % 4)) = pack_float2<Element>(
+          acc_dq[0][nd][2 * half] * params.softmax_scale, acc_dq[0][nd][2 * half + 1] * params.softmax_scale);
     }
   }
 }

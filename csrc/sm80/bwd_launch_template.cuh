@@ -76,12 +76,13 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
         <<<static_cast<unsigned>((num_chunks + 255) / 256), 256, 0, stream>>>(params, rows_per_batch, num_rows);
     throw_on_cuda_error(cudaGetLastError(), "launching the dQ conversion kernel");
   } else {
-    const auto dq_kernel = extras ? attention_bwd_dq_kernel<DqTile, Element, true>
-                                     : attention_bwd_dq_kernel<DqTile, Element, false>;
+    const auto dq_kernel =
+        extras ? attention_bwd_dq_kernel<DqTile, Element, true> : attention_bwd_dq_kernel<DqTile, Element, false>;
     const int num_stages = buffer_stages<DqTile>();
     const int smem_bytes = DqTile::smem_bytes(num_stages);
     set_smem_limit(dq_kernel, smem_bytes, "the dQ kernel");
-    const dim3 grid((params.seqlen_q + DqTile::kBlockQueries - 1) / DqTile::kBlockQueries, params.heads_q, params.batch);
+    const dim3 grid((params.seqlen_q + DqTile::kBlockQueries - 1) / DqTile::kBlockQueries, params.heads_q,
+                    params.batch);
     dq_kernel<<<grid, DqTile::kThreads, smem_bytes, stream>>>(params, num_stages);
     throw_on_cuda_error(cudaGetLastError(), "launching the dQ kernel");
   }

@@ -35,23 +35,23 @@ struct BwdDkDvTile {
   static constexpr int kBlockQueries = kHeadDim <= 64 && !kExtras ? 128 : 64;
   static constexpr int kSmemRowPitch = kHeadDim + 8;     // elements; padding as FwdTile's
   static constexpr int kDsRowPitch = kBlockQueries + 8;  // Pᵀ and dSᵀ tiles (keys x queries), same padding rule
+  // Column warps of a warp grid over (rows x kHeadDim) whose warps own 32 rows; halved (16-row warps)
+  // where a warp's column count would not be a multiple of 16 (two n-tiles per B load).
+  static constexpr int col_warps(int rows) {
+    const int for_32_rows = kWarps / (rows / 32);
+    return (kHeadDim / for_32_rows) % 16 == 0 ? for_32_rows : for_32_rows / 2;
+  }
   // Phase 1: warp (w % kScoreKeyWarps, w / kScoreKeyWarps) computes keys 32 (...) and queries kScoreQueries (...).
   static constexpr int kScoreKeyWarps = kBlockKeys / 32;
   static constexpr int kScoreQueries = kBlockQueries / (kWarps / kScoreKeyWarps);
   // Phase 2: warp (w % kGradKeyWarps, w / kGradKeyWarps) accumulates keys kGradKeys (...) and columns kGradCols (...).
-  static constexpr int kGradColWarpsFor32Keys = kWarps / (kBlockKeys / 32);
-  static constexpr int kGradColWarps =
-      (kHeadDim / kGradColWarpsFor32Keys) % 16 == 0 ? kGradColWarpsFor32Keys : kGradColWarpsFor32Keys / 2;
-  static constexpr int kGradKeyWarps = kWarps / kGradColWarps;
+  static constexpr int kGradKeyWarps = kWarps / col_warps(kBlockKeys);
   static constexpr int kGradKeys = kBlockKeys / kGradKeyWarps;
-  static constexpr int kGradCols = kHeadDim / kGradColWarps;
+  static constexpr int kGradCols = kHeadDim / col_warps(kBlockKeys);
   // Phase 3: warp (w % kDqRowWarps, w / kDqRowWarps) adds queries kDqRows (...) x columns kDqCols (...).
-  static constexpr int kDqColWarpsFor32Rows = kWarps / (kBlockQueries / 32);
-  static constexpr int kDqColWarps =
-      (kHeadDim / kDqColWarpsFor32Rows) % 16 == 0 ? kDqColWarpsFor32Rows : kDqColWarpsFor32Rows / 2;
-  static constexpr int kDqRowWarps = kWarps / kDqColWarps;
+  static constexpr int kDqRowWarps = kWarps / col_warps(kBlockQueries);
   static constexpr int kDqRows = kBlockQueries / kDqRowWarps;
-  static constexpr int kDqCols = kHeadDim / kDqColWarps;
+  static constexpr int kDqCols = kHeadDim / col_warps(kBlockQueries);
   // The widest multiple of 16 columns dividing kDqCols whose accumulator is <= 32 floats per thread.
   static constexpr int dq_chunk_cols() {
     int best = 16;

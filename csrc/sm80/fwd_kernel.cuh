@@ -108,7 +108,8 @@ __device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTil
 }
 
 template <typename Config, typename Element, bool kExtras>
-__global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCtasPerSm) attention_fwd_kernel(const __grid_constant__ FwdParams params) {
+__global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCtasPerSm)
+    attention_fwd_kernel(const __grid_constant__ FwdParams params) {
   constexpr int kHeadDim = Config::kHeadDim;
   constexpr int kBlockM = Config::kBlockM;
   constexpr int kBlockN = Config::kBlockN;
@@ -232,7 +233,8 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
 
     // S = Q · Kᵀ for this warp's rows.
     float acc_s[kMTiles][kNTilesS][4] = {};
-    gemm_smem_abt<Element, kMTiles, kNTilesS, kHeadDim / 16, kPitch, kPitch>(acc_s, q_lane_addr, k_lane_addr);
+    gemm_smem<Element, kMTiles, kNTilesS, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(acc_s, q_lane_addr,
+                                                                                                 k_lane_addr);
 
     if constexpr (kExtras) {
       if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod);
