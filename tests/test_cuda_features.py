@@ -113,7 +113,7 @@ def test_varlen_sequence_equals_dense_call():
 @pytest.mark.parametrize("deterministic", DQ_PATHS, ids=DQ_PATH_IDS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_all_features_combined(head_dim, deterministic):
-    """varlen + GQA + window + softcap + ALiBi (no dropout: not on CUDA yet)."""
+    """varlen + GQA + window + softcap + ALiBi (with dropout too: test_dropout_varlen_with_every_feature)."""
     q, k, v, cu_q, cu_k = make_varlen_qkv([90, 0, 257], [120, 7, 300], 6, 2, head_dim, torch.bfloat16, device="cuda")
     features = dict(window_size=(48, 16), softcap=30.0, alibi_slopes=alibi_slopes(3, 6, True))
     check_varlen_forward(q, k, v, cu_q, cu_k, causal=False, **features)
