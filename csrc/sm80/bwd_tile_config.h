@@ -73,6 +73,8 @@ struct BwdDkDvTile {
   static_assert(kGradKeys % 16 == 0 && kGradCols % 16 == 0, "phase 2 warp grid");
   static_assert(kDqRows % 16 == 0 && kDqCols % 16 == 0, "phase 3 warp grid");
   static_assert(kThreads >= kBlockQueries, "one thread copies each query row's lse and D");
+  // sm80 is the oldest target: single-buffered, every tile fits the A100's 163 KB per block.
+  static_assert(smem_bytes(1) <= 163 * 1024, "the dK/dV tiles fit an A100");
 };
 
 // dQ kernel (deterministic path only): a CTA of 4 warps owns kBlockQueries = 64 queries (16 per
@@ -92,6 +94,7 @@ struct BwdDqTile {
   static constexpr int smem_bytes(int stages) {
     return (2 * kBlockQueries + stages * 2 * kBlockKeys) * kSmemRowPitch * 2;
   }
+  static_assert(smem_bytes(1) <= 163 * 1024, "the dQ tiles fit an A100 (163 KB per block)");
 };
 
 }  // namespace flash_ext::sm80

@@ -30,6 +30,7 @@ struct FwdTile {
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dims are multiples of 32 up to 256");
   static_assert(kBlockM % (16 * kWarps) == 0, "a warp owns whole 16-row mma blocks");
   static_assert(kBlockN % 16 == 0, "kBlockN is a multiple of the mma k extent");
+  static_assert(kSmemElements * 2 <= 163 * 1024, "the tiles fit an A100 (163 KB per block)");
 };
 
 // The geometry shipped for each head dim.
