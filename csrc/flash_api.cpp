@@ -675,10 +675,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     return result();
   }
   // Scratch, O(seqlen): D = rowsum(dout * out) per query row (fp32, lse's layout), and unless
-  // deterministic the fp32 dQ accumulator (q's layout) that the dK/dV kernel adds into with atomics.
+  // deterministic the fp32 dQ accumulator (contiguous, q's shape) that the dK/dV kernel adds into with
+  // atomics; the preprocess kernel zeroes it.
   at::Tensor softmax_d = at::empty(lse_c.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dq_accum;
-  if (!deterministic) dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  if (!deterministic) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
 
   const FwdParams fwd = varlen.is_varlen()
                             ? make_varlen_fwd_params(q, k, v, out, lse_c, *varlen.cu_seqlens_q, *varlen.cu_seqlens_k,

@@ -13,6 +13,9 @@
 #   --no-bench      build and test only
 #   --sanitize      after the tests, run scripts/sanitize.py under compute-sanitizer memcheck and
 #                   racecheck (sanitize.log; a finding counts as a test failure)
+#   --profile       after the tests, benchmarks/kernel_breakdown.py (per-kernel time of the backward, ours and
+#                   FA2's: breakdown.txt) and Nsight Compute of our kernels beside FA2's (bwd hd128 8k, fwd hd256
+#                   8k: ncu.txt); FLASH_EXT_EXPERIMENT_* variables are passed through
 #   --features      after the benchmark, benchmarks/bench_features.py (varlen, window, softcap, ALiBi;
 #                   features.json/.txt) and benchmarks/memory_scaling.py (memory.json/.txt)
 #   -- ARGS         passed on to benchmarks/bench_attention.py (e.g. -- --ops fwd --head-dims 64)
@@ -42,6 +45,7 @@ SKIP_TESTS=0
 NO_BENCH=0
 SANITIZE=0
 FEATURES=0
+PROFILE=0
 BENCH_EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -53,6 +57,7 @@ while [ $# -gt 0 ]; do
     --no-bench) NO_BENCH=1 ;;
     --sanitize) SANITIZE=1 ;;
     --features) FEATURES=1 ;;
+    --profile) PROFILE=1 ;;
     --) shift; BENCH_EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (try --help)" >&2; exit 64 ;;
@@ -216,6 +221,31 @@ EOF
       if [ "$tool_rc" = 0 ]; then sanitize_status+="$tool clean; "; else sanitize_status+="$tool FAILED (rc $tool_rc); "; test_rc=2; fi
     done
     echo "sanitize: $sanitize_status"
+  fi
+
+  # ---------------------------------------------------------------- profile
+  if [ "$PROFILE" = 1 ] && [ "$build_rc" = 0 ]; then
+    section "profile (kernel_breakdown.py, ncu)"
+    set +e
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 "$(min 120 $(($(remaining) - 60)))" \
+      "$PY" benchmarks/kernel_breakdown.py >"$OUT/breakdown.txt" 2>&1
+    cat "$OUT/breakdown.txt"
+    local ncu_args=(--clock-control none --launch-skip 2 --launch-count 1 --section SpeedOfLight
+                    --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis_Tables
+                    --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy)
+    local spec name script_args
+    for spec in "attention_bwd_dkdv|--backward --head-dim 128" "flash_bwd_dq_dk_dv|--backward --head-dim 128 --impl sdpa_flash" \
+                "attention_fwd|--head-dim 256" "flash_fwd_kernel|--head-dim 256 --impl sdpa_flash"; do
+      name=${spec%%|*}
+      script_args=${spec#*|}
+      [ "$(remaining)" -lt 90 ] && { echo "ncu: skipping $name (time)"; continue; }
+      echo "==== ncu $name ($script_args)" >>"$OUT/ncu.txt"
+      # shellcheck disable=SC2086
+      PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 "$(min 90 $(($(remaining) - 60)))" \
+        ncu "${ncu_args[@]}" --kernel-name "regex:$name" "$PY" benchmarks/profile_kernels.py $script_args >>"$OUT/ncu.txt" 2>&1
+      echo "ncu $name: rc $?"
+    done
+    set -e
   fi
 
   # ---------------------------------------------------------------- benchmark

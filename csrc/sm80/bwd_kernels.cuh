@@ -5,7 +5,7 @@
 //   dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ∘ (dP − D),  dK = scale · dSᵀ·Q,  dQ = scale · dS·K.
 //
 // Launches:
-//   1. preprocess: D for every query row;
+//   1. preprocess: D for every query row (and the fp32 dQ accumulator zeroed);
 //   2. dK/dV: a CTA per (key block, kv head) keeps K and V in shared memory, walks every query
 //      block (and every query head of its GQA group) that can see them, and accumulates dK and
 //      dV in registers. Per query block it computes the transposed tiles Sᵀ = K·Qᵀ and
@@ -34,9 +34,10 @@ namespace flash_ext::sm80 {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// D = sum_d dout * out per query row, in fp32: one warp per (row, head). Rows are numbered
-// through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length batch is one
-// packed "batch" of total_q rows (its batch strides are 0).
+// D = sum_d dout * out per query row, in fp32: one warp per (row, head); with params.dq_accum, the
+// warp also zeroes the row's fp32 dQ accumulator (one kernel instead of a separate memset). Rows are
+// numbered through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length batch is
+// one packed "batch" of total_q rows (its batch strides are 0). dq_accum rows follow the same numbering.
 template <int kHeadDim, typename Element>
 __global__ void __launch_bounds__(256)
     attention_bwd_preprocess_kernel(const __grid_constant__ BwdParams params, const int64_t rows_per_batch,
@@ -64,6 +65,10 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
   if (lane == 0) params.softmax_d[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = sum;
+  if (params.dq_accum != nullptr) {
+    float4* accum_row = reinterpret_cast<float4*>(params.dq_accum + row_id * kHeadDim);
+    for (int chunk = lane; chunk < kHeadDim / 4; chunk += 32) accum_row[chunk] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
 }
 
 // num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (buffer_stages).

@@ -1,0 +1,74 @@
+"""Where a backward's time goes: per-kernel GPU time (torch.profiler) of flash_ext's backward, and
+of SDPA's FlashAttention-2 backend beside it, at a few shapes of the benchmarks.
+
+    python benchmarks/kernel_breakdown.py [--cases window,causal16k,plain8k] [--iters 10]
+
+Each case runs the backward --iters times after a warm-up; the table lists every kernel's mean
+time per backward (microseconds) and its share of the sum. bf16, head_dim 128, 16 heads.
+"""
+import argparse
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import flash_ext
+
+HEADS, HEAD_DIM = 16, 128
+
+# name -> (batch, seqlen, flash_ext keyword arguments, SDPA is_causal or None where SDPA has no equivalent)
+CASES = {
+    "window": (1, 16384, dict(window_size=(1024, 0)), None),
+    "causal16k": (1, 16384, dict(causal=True), True),
+    "plain8k": (2, 8192, dict(), False),
+}
+
+
+def kernel_times(backward, iters):
+    for _ in range(3):
+        backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            backward()
+        torch.cuda.synchronize()
+    totals = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time / iters
+    return totals
+
+
+def report(title, totals):
+    total = sum(totals.values())
+    print(f"\n{title}: {total:9.1f} us per backward")
+    for name, us in sorted(totals.items(), key=lambda item: -item[1]):
+        print(f"  {us:9.1f} us {100 * us / total:5.1f}%  {name[:110]}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    for case in args.cases.split(","):
+        batch, seqlen, kwargs, sdpa_causal = CASES[case]
+        q, k, v = (torch.randn(batch, seqlen, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        out = flash_ext.attention(q, k, v, **kwargs)
+        dout = torch.randn_like(out)
+        report(f"flash_ext {case} {kwargs}",
+               kernel_times(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), args.iters))
+        if sdpa_causal is not None:
+            qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                out_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=sdpa_causal)
+            dout_t = dout.transpose(1, 2)
+            report(f"sdpa_flash {case}",
+                   kernel_times(lambda: torch.autograd.grad(out_t, (qt, kt, vt), dout_t, retain_graph=True),
+                                args.iters))
+
+
+if __name__ == "__main__":
+    main()
