@@ -13,15 +13,6 @@ __device__ __forceinline__ uint32_t smem_address(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
-// threadIdx.x, read where it is used: the compiler cannot hoist what is derived from it out of a loop
-// (an asm volatile is neither moved nor merged), so per-thread offsets are recomputed (a few
-// instructions) instead of occupying registers across a kernel's main loop.
-__device__ __forceinline__ int thread_index_here() {
-  int tid;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
-  return tid;
-}
-
 // 16-byte global -> shared copy through L2 only (.cg: tiles are reused from shared memory,
 // not L1). With `valid` false nothing is read and the 16 bytes are zero-filled, which is how
 // ragged tiles past the end of a sequence become zeros.

@@ -208,11 +208,10 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     return hi_unmasked - 1 - (i - num_masked);
   };
 
-  load_tile_async_by_columns<Config, kBlockM>(smem_q, q, params.q_strides.row, valid_rows);
+  load_tile_async<Config, kBlockM>(smem_q, q, params.q_strides.row, valid_rows);
   int key_block = scheduled_block(0);
   int next_key_block = scheduled_block(1);
-  load_tile_async_by_columns<Config, kBlockN>(smem_k, k_tile(key_block), params.k_strides.row,
-                                              len_k - key_block * kBlockN);
+  load_tile_async<Config, kBlockN>(smem_k, k_tile(key_block), params.k_strides.row, len_k - key_block * kBlockN);
   cp_async_commit();
 
   float acc_o[kMTiles][kNTilesO][4] = {};
@@ -229,8 +228,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
     cp_async_wait<0>();
     __syncthreads();
-    load_tile_async_by_columns<Config, kBlockN>(smem_v, v_tile(key_block), params.v_strides.row,
-                                                len_k - key_block * kBlockN);
+    load_tile_async<Config, kBlockN>(smem_v, v_tile(key_block), params.v_strides.row, len_k - key_block * kBlockN);
     cp_async_commit();
 
     // S = Q · Kᵀ for this warp's rows.
@@ -258,8 +256,8 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     cp_async_wait<0>();
     __syncthreads();
     if (next_key_block >= 0) {
-      load_tile_async_by_columns<Config, kBlockN>(smem_k, k_tile(next_key_block), params.k_strides.row,
-                                                  len_k - next_key_block * kBlockN);
+      load_tile_async<Config, kBlockN>(smem_k, k_tile(next_key_block), params.k_strides.row,
+                                       len_k - next_key_block * kBlockN);
     }
     cp_async_commit();
 
