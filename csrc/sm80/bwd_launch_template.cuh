@@ -3,7 +3,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "bwd_kernels.cuh"
@@ -64,15 +63,7 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
     kernel<<<grid, Tile::kThreads, smem_bytes, stream>>>(params, num_stages);
     throw_on_cuda_error(cudaGetLastError(), "launching the dK/dV kernel");
   };
-  if constexpr (kHeadDim == 128) {  // EXPERIMENT (not to be kept as is): 64-key blocks
-    if (!extras && std::getenv("FLASH_EXT_EXPERIMENT_KEYS64") != nullptr) {
-      launch_dkdv(BwdDkDvTile<kHeadDim, false, 64>{});
-    } else if (extras) {
-      launch_dkdv(BwdDkDvTile<kHeadDim, true>{});
-    } else {
-      launch_dkdv(BwdDkDvTile<kHeadDim, false>{});
-    }
-  } else if (extras) {
+  if (extras) {
     launch_dkdv(BwdDkDvTile<kHeadDim, true>{});
   } else {
     launch_dkdv(BwdDkDvTile<kHeadDim, false>{});

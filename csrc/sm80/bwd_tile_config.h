@@ -25,13 +25,13 @@ namespace flash_ext::sm80 {
 // Registers: dK and dV accumulators take kBlockKeys * head_dim / 256 floats each per thread. Up to
 // head_dim 128 a CTA owns 128 keys; above, 64 (FlashAttention-2's choice too): 128 keys' accumulators
 // do not fit beside the score tiles there.
-template <int kHeadDim_, bool kExtras_, int kBlockKeysOverride = 0>
+template <int kHeadDim_, bool kExtras_>
 struct BwdDkDvTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kExtras = kExtras_;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockKeys = kBlockKeysOverride ? kBlockKeysOverride : (kHeadDim <= 128 ? 128 : 64);
+  static constexpr int kBlockKeys = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kBlockQueries = kHeadDim <= 64 && !kExtras ? 128 : 64;
   static constexpr int kSmemRowPitch = kHeadDim + 8;     // elements; padding as FwdTile's
   static constexpr int kDsRowPitch = kBlockQueries + 8;  // Pᵀ and dSᵀ tiles (keys x queries), same padding rule
