@@ -95,20 +95,6 @@ __device__ __forceinline__ uint32_t pack_float2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// The two 16-bit values of a pack_float2 result, as floats (low half first).
-template <typename Element>
-__device__ __forceinline__ float2 unpack_float2(uint32_t packed);
-
-template <>
-__device__ __forceinline__ float2 unpack_float2<__nv_bfloat16>(uint32_t packed) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
-}
-
-template <>
-__device__ __forceinline__ float2 unpack_float2<__half>(uint32_t packed) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&packed));
-}
-
 // address[0] += x, address[1] += y in global memory, without a return value (a reduction in L2).
 // sm90 has a 64-bit vector form: half the atomic operations of two scalar ones.
 __device__ __forceinline__ void atomic_add_float2(float* address, float x, float y) {

@@ -210,11 +210,13 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const float* block_d = smem_d + stage * kBlockQueries;
 
     // ---- Phase 1: the warp's 32 keys x kScoreQueries of Sᵀ and dPᵀ; Pᵀ and dSᵀ to shared memory.
-    // Order (FlashAttention-2's): Sᵀ, P and its store, then dPᵀ, then dS. P waits for dS as 16-bit pairs
-    // (16 registers instead of 32 floats while dPᵀ accumulates), and Sᵀ's element-wise work is done
-    // before dPᵀ's mma begin, so the Pᵀ stores drain under them. dS = P ∘ (dP − D) then uses the 16-bit
-    // P that dV uses too: one more rounding of a factor of dS, which is itself rounded to 16 bits next.
     {
+      float acc_s[kScoreMTiles][kScoreNTiles][4] = {};   // Sᵀ, then Pᵀ in place (dropped and rescaled)
+      float acc_dp[kScoreMTiles][kScoreNTiles][4] = {};  // dPᵀ, then dSᵀ in place
+      gemm_smem<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(
+          acc_s, k_lane_addr, q_as_bt_addr + stage_offset);
+      gemm_smem<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(
+          acc_dp, v_lane_addr, dout_as_bt_addr + stage_offset);
       const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
       // The diagonal key of this thread's first query column, as a float (ALiBi distances).
       const float first_query_on_diagonal = mod.row_on_diagonal(first_query + thread_query);
@@ -228,20 +230,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
         }
       }
       const float kept_scale = kExtras && params.has_dropout() ? params.dropout_scale : 1.f;
-      // Accumulator registers (0, 1) of (mi, nj) are key row lane/4 of m-tile mi, query columns
-      // 2 (lane % 4) and + 1 of n-tile nj; (2, 3) the row + 8 (`half`).
-      auto ds_tile_offset = [&](int mi, int nj, int half) {
-        return (score_first_key + 16 * mi + lane / 4 + 8 * half) * kDsPitch + thread_query + 8 * nj;
-      };
-      // P ∘ (1 − tanh²) of each element pair (with softcap; P itself otherwise), undropped, in 16 bits.
-      uint32_t p_for_ds[kScoreMTiles][kScoreNTiles][2];
-      // Sᵀ, then P: dropped and rescaled to shared memory (for dV), P for dS to p_for_ds. `masked`:
-      // whether any (query, key) of the block lies outside the band or past the sequences' ends (a
-      // uniform branch: most blocks need no mask).
-      auto scores_to_probabilities = [&](auto masked) {
-        float acc_s[kScoreMTiles][kScoreNTiles][4] = {};
-        gemm_smem<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(
-            acc_s, k_lane_addr, q_as_bt_addr + stage_offset);
+      // P (and dS) of every element; `masked`: whether any (query, key) of the block lies outside the
+      // band or past the sequences' ends (a uniform branch: most blocks need no mask).
+      auto scores_to_gradients = [&](auto masked) {
 #pragma unroll
         for (int mi = 0; mi < kScoreMTiles; ++mi) {
 #pragma unroll
@@ -260,28 +251,31 @@ __global__ void __launch_bounds__(Tile::kThreads)
             }
 #pragma unroll
             for (int nj = 0; nj < kScoreNTiles; ++nj) {
-              float p_kept[2], p_grad[2];  // for dV (dropped, rescaled) and for dS (undropped, x softcap factor)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const int query_in_block = thread_query + nj * 8 + e;
                 const bool visible = !decltype(masked)::value || (query_in_block >= lo && query_in_block <= hi);
+                const int r = 2 * half + e;
                 const float lse_log2 = block_lse[query_in_block] * kLog2e;
-                const float score = acc_s[mi][nj][2 * half + e];
+                // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep·scale − D) ∘ (1 − tanh²)
+                // takes P itself, the softcap factor and keep·scale on dP.
+                float p, dp = acc_dp[mi][nj][r], grad_factor = 1.f;
                 if constexpr (kExtras) {
                   float tanh_value;
-                  const float modified = mod.raw_score(score, first_query_on_diagonal + static_cast<float>(nj * 8 + e),
-                                                       static_cast<float>(key), tanh_value);
-                  const float p = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
+                  const float modified =
+                      mod.raw_score(acc_s[mi][nj][r], first_query_on_diagonal + static_cast<float>(nj * 8 + e),
+                                    static_cast<float>(key), tanh_value);
+                  p = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
+                  grad_factor = 1.f - tanh_value * tanh_value;
                   const bool kept = keep_bits >> (((mi * 2 + half) * kScoreNTiles + nj) * 2 + e) & 1;
-                  p_kept[e] = kept ? p * kept_scale : 0.f;
-                  p_grad[e] = p * (1.f - tanh_value * tanh_value);
+                  acc_s[mi][nj][r] = kept ? p * kept_scale : 0.f;
+                  dp = kept ? dp * kept_scale : 0.f;
                 } else {
-                  p_kept[e] = p_grad[e] = visible ? exp2f(fmaf(score, params.scale_log2, -lse_log2)) : 0.f;
+                  p = visible ? exp2f(fmaf(acc_s[mi][nj][r], params.scale_log2, -lse_log2)) : 0.f;
+                  acc_s[mi][nj][r] = p;
                 }
+                acc_dp[mi][nj][r] = p * grad_factor * (dp - block_d[query_in_block]);
               }
-              const uint32_t kept_pair = pack_float2<Element>(p_kept[0], p_kept[1]);
-              *reinterpret_cast<uint32_t*>(smem_pt + ds_tile_offset(mi, nj, half)) = kept_pair;
-              p_for_ds[mi][nj][half] = kExtras ? pack_float2<Element>(p_grad[0], p_grad[1]) : kept_pair;
             }
           }
         }
@@ -292,33 +286,23 @@ __global__ void __launch_bounds__(Tile::kThreads)
                                   band.begin(first_query + kBlockQueries - 1) <= first_key &&
                                   band.end(first_query) >= first_key + kBlockKeys;
       if (block_unmasked) {
-        scores_to_probabilities(std::false_type{});
+        scores_to_gradients(std::false_type{});
       } else {
-        scores_to_probabilities(std::true_type{});
+        scores_to_gradients(std::true_type{});
       }
-
-      // dPᵀ, then dSᵀ = P ∘ (dP ∘ keep·scale − D) (∘ the softcap factor, inside p_for_ds) to shared memory.
-      float acc_dp[kScoreMTiles][kScoreNTiles][4] = {};
-      gemm_smem<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(
-          acc_dp, v_lane_addr, dout_as_bt_addr + stage_offset);
+      // 16-bit Pᵀ and dSᵀ to shared memory: accumulator registers (0, 1) of (mi, nj) are key row
+      // lane/4 of m-tile mi, query columns 2 (lane % 4) and + 1 of n-tile nj; (2, 3) the row + 8.
 #pragma unroll
       for (int mi = 0; mi < kScoreMTiles; ++mi) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
+        for (int nj = 0; nj < kScoreNTiles; ++nj) {
 #pragma unroll
-          for (int nj = 0; nj < kScoreNTiles; ++nj) {
-            const float2 p = unpack_float2<Element>(p_for_ds[mi][nj][half]);
-            float ds[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float dp = acc_dp[mi][nj][2 * half + e];
-              if constexpr (kExtras) {  // dropout: dP of a dropped element is 0, of a kept one scaled
-                const bool kept = keep_bits >> (((mi * 2 + half) * kScoreNTiles + nj) * 2 + e) & 1;
-                dp = kept ? dp * kept_scale : 0.f;
-              }
-              ds[e] = (e == 0 ? p.x : p.y) * (dp - block_d[thread_query + nj * 8 + e]);
-            }
-            *reinterpret_cast<uint32_t*>(smem_dst + ds_tile_offset(mi, nj, half)) = pack_float2<Element>(ds[0], ds[1]);
+          for (int half = 0; half < 2; ++half) {
+            const int offset = (score_first_key + 16 * mi + lane / 4 + 8 * half) * kDsPitch + thread_query + 8 * nj;
+            *reinterpret_cast<uint32_t*>(smem_pt + offset) =
+                pack_float2<Element>(acc_s[mi][nj][2 * half], acc_s[mi][nj][2 * half + 1]);
+            *reinterpret_cast<uint32_t*>(smem_dst + offset) =
+                pack_float2<Element>(acc_dp[mi][nj][2 * half], acc_dp[mi][nj][2 * half + 1]);
           }
         }
       }
