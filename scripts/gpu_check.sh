@@ -232,7 +232,8 @@ EOF
     cat "$OUT/breakdown.txt"
     local ncu_args=(--clock-control none --launch-skip 2 --launch-count 1 --section SpeedOfLight
                     --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis_Tables
-                    --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy)
+                    --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy
+                    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
     local spec name script_args
     for spec in "attention_bwd_dkdv|--backward --head-dim 128" "flash_bwd_dq_dk_dv|--backward --head-dim 128 --impl sdpa_flash" \
                 "attention_fwd|--head-dim 256" "flash_fwd_kernel|--head-dim 256 --impl sdpa_flash"; do
