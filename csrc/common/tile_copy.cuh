@@ -12,38 +12,51 @@ namespace flash_ext {
 // Copies `rows` x kHeadDim elements (row r at gmem + r * gmem_row_stride) into a padded
 // shared tile; rows at or past `valid_rows` are zero-filled.
 //
-// Thread layout: a row is cut into segments of kSegmentChunks 16-byte chunks (128 bytes, or 64 where
-// the row's chunk count is no multiple of 8), and consecutive threads copy one segment: a warp's copy
-// instruction covers 4 (or 8) rows x one 128-byte (64-byte) segment, FlashAttention-2's pattern. A warp
-// covering whole 256-512-byte row runs instead made the L2 serve 2.5-4x the requests and 1.6-2.2x the
-// sectors for the same bytes (ncu, H200: forward hd256 801M sectors / 352M requests vs 500M / 126M;
-// backward hd128 417M / 182M vs 188M / 45M), and warps waited on those copies (stalled on the long
-// scoreboard 1.42 cycles per instruction in the hd256 forward against FlashAttention-2's 0.10).
+// Thread layout, where a row is a whole number of 128-byte segments (head_dim 64, 128, 192, 256; 192 not
+// measured separately):
+// consecutive threads copy one segment, so a warp's copy instruction covers 4 rows x 128 bytes
+// (FlashAttention-2's pattern); a row's segments are immediate offsets from one address. Measured
+// against a warp covering whole rows (256-512 contiguous bytes) on the H200 (bf16, seqlen 8k): forward
+// hd256 277 -> 290 TFLOP/s (kernel 3.92 -> 3.70 ms), hd128 336 -> 342, backward within 1%; 64-byte
+// segments (8 rows per instruction) cost hd256 19% (235). ncu counted the same L2 sectors and requests
+// either way, so the gain is not fewer L2 transactions; where it comes from is not established.
+// Other head dims (32, 96, 160, 224) keep the whole-row layouts they were measured with.
 // The row loop is not unrolled: unrolled, ptxas keeps every chunk's address live across the main loop
-// (hd128: ~60 more registers, and spills); a row's segments are immediate offsets from one address.
+// (hd128: ~60 more registers, and spills).
 template <typename Config, int kRows, typename Element>
 __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gmem, int64_t gmem_row_stride,
                                                 int valid_rows) {
   constexpr int kChunksPerRow = Config::kHeadDim * sizeof(Element) / 16;
   constexpr int kElementsPerChunk = 16 / sizeof(Element);
-  constexpr int kSegmentChunks = kChunksPerRow % 8 == 0 ? 8 : 4;
-  constexpr int kSegmentsPerRow = kChunksPerRow / kSegmentChunks;
-  constexpr int kRowsPerPass = Config::kThreads / kSegmentChunks;
-  static_assert(kChunksPerRow % kSegmentChunks == 0, "whole segments per row");
-  int row = threadIdx.x / kSegmentChunks;
-  const int col = threadIdx.x % kSegmentChunks * kElementsPerChunk;
-  const Element* src = gmem + row * gmem_row_stride + col;
-  uint32_t dst = smem_address(smem + row * Config::kSmemRowPitch + col);
+  if constexpr (kChunksPerRow % 8 == 0 || Config::kThreads % kChunksPerRow == 0) {
+    // Segments of 8 chunks (128 bytes), or the whole row where it is shorter (head_dim 32).
+    constexpr int kSegmentChunks = kChunksPerRow % 8 == 0 ? 8 : kChunksPerRow;
+    constexpr int kSegmentsPerRow = kChunksPerRow / kSegmentChunks;
+    constexpr int kRowsPerPass = Config::kThreads / kSegmentChunks;
+    int row = threadIdx.x / kSegmentChunks;
+    const int col = threadIdx.x % kSegmentChunks * kElementsPerChunk;
+    const Element* src = gmem + row * gmem_row_stride + col;
+    uint32_t dst = smem_address(smem + row * Config::kSmemRowPitch + col);
 #pragma unroll 1
-  for (; row < kRows; row += kRowsPerPass) {
-    const bool valid = row < valid_rows;
-    const Element* row_src = valid ? src : gmem;  // zero-filled rows read nothing; row 0 is a valid address
+    for (; row < kRows; row += kRowsPerPass) {
+      const bool valid = row < valid_rows;
+      const Element* row_src = valid ? src : gmem;  // zero-filled rows read nothing; row 0 is a valid address
 #pragma unroll
-    for (int segment = 0; segment < kSegmentsPerRow; ++segment) {
-      cp_async_16(dst + segment * kSegmentChunks * 16, row_src + segment * kSegmentChunks * kElementsPerChunk, valid);
+      for (int segment = 0; segment < kSegmentsPerRow; ++segment) {
+        cp_async_16(dst + segment * kSegmentChunks * 16, row_src + segment * kSegmentChunks * kElementsPerChunk, valid);
+      }
+      src += kRowsPerPass * gmem_row_stride;
+      dst += kRowsPerPass * Config::kSmemRowPitch * sizeof(Element);
     }
-    src += kRowsPerPass * gmem_row_stride;
-    dst += kRowsPerPass * Config::kSmemRowPitch * sizeof(Element);
+  } else {
+#pragma unroll 1
+    for (int chunk_id = threadIdx.x; chunk_id < kRows * kChunksPerRow; chunk_id += Config::kThreads) {
+      const int row = chunk_id / kChunksPerRow;
+      const int col = chunk_id % kChunksPerRow * kElementsPerChunk;
+      const bool valid = row < valid_rows;
+      const Element* src = valid ? gmem + row * gmem_row_stride + col : gmem;
+      cp_async_16(smem_address(smem + row * Config::kSmemRowPitch + col), src, valid);
+    }
   }
 }
 
