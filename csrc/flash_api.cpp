@@ -590,6 +590,29 @@ void check_sm80(const at::Tensor& q) {
                   q.device(), " is ", major, ".", minor);
 }
 
+// What the CUDA forward and backward both make of q, k, v before a launch: head_dim padded to a
+// multiple of 32 (zero columns) and every tensor in a layout the kernels take (see usable_layout).
+struct CudaQkv {
+  int64_t head_dim;         // the caller's
+  int64_t head_dim_padded;  // the kernels'
+  at::Tensor q, k, v;
+  std::optional<at::Tensor> alibi_slopes;
+};
+
+// Callers hold a CUDAGuard for q's device.
+CudaQkv prepare_cuda_qkv(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                         const AttentionOptions& options) {
+  check_sm80(q_in);
+  const int64_t head_dim = q_in.size(-1);
+  const int64_t head_dim_padded = padded_head_dim(head_dim);
+  return {head_dim,
+          head_dim_padded,
+          usable_layout(pad_head_dim(q_in, head_dim_padded)),
+          usable_layout(pad_head_dim(k_in, head_dim_padded)),
+          usable_layout(pad_head_dim(v_in, head_dim_padded)),
+          usable_alibi_slopes(options.alibi_slopes)};
+}
+
 // cu_seqlens of a varlen call (nullptr tensors for a dense call).
 struct VarlenArgs {
   const at::Tensor* cu_seqlens_q = nullptr;
@@ -604,14 +627,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda_impl(const at::Tensor& q
                                                              const at::Tensor& v_in, const AttentionOptions& options,
                                                              const VarlenArgs& varlen) {
   const c10::cuda::CUDAGuard device_guard(q_in.device());
-  check_sm80(q_in);
-
-  const int64_t head_dim = q_in.size(-1);
-  const int64_t head_dim_padded = padded_head_dim(head_dim);
-  const at::Tensor q = usable_layout(pad_head_dim(q_in, head_dim_padded));
-  const at::Tensor k = usable_layout(pad_head_dim(k_in, head_dim_padded));
-  const at::Tensor v = usable_layout(pad_head_dim(v_in, head_dim_padded));
-  const std::optional<at::Tensor> alibi_slopes = usable_alibi_slopes(options.alibi_slopes);
+  const CudaQkv qkv = prepare_cuda_qkv(q_in, k_in, v_in, options);
+  const int64_t head_dim = qkv.head_dim, head_dim_padded = qkv.head_dim_padded;
+  const at::Tensor &q = qkv.q, &k = qkv.k, &v = qkv.v;
+  const std::optional<at::Tensor>& alibi_slopes = qkv.alibi_slopes;
 
   at::Tensor out_padded = at::empty(q.sizes(), q.options());
   // lse: (batch, heads_q, seqlen_q) dense, (heads_q, total_q) varlen.
@@ -649,17 +668,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
                                                              const std::optional<at::Tensor>& rng_state,
                                                              const VarlenArgs& varlen) {
   const c10::cuda::CUDAGuard device_guard(q_in.device());
-  check_sm80(q_in);
-
-  const int64_t head_dim = q_in.size(-1);
-  const int64_t head_dim_padded = padded_head_dim(head_dim);
-  const at::Tensor q = usable_layout(pad_head_dim(q_in, head_dim_padded));
-  const at::Tensor k = usable_layout(pad_head_dim(k_in, head_dim_padded));
-  const at::Tensor v = usable_layout(pad_head_dim(v_in, head_dim_padded));
+  const CudaQkv qkv = prepare_cuda_qkv(q_in, k_in, v_in, options);
+  const int64_t head_dim = qkv.head_dim, head_dim_padded = qkv.head_dim_padded;
+  const at::Tensor &q = qkv.q, &k = qkv.k, &v = qkv.v;
+  const std::optional<at::Tensor>& alibi_slopes = qkv.alibi_slopes;
   const at::Tensor out = usable_layout(pad_head_dim(out_in, head_dim_padded));
   const at::Tensor dout = usable_layout(pad_head_dim(dout_in, head_dim_padded));
   const at::Tensor lse_c = lse.contiguous();
-  const std::optional<at::Tensor> alibi_slopes = usable_alibi_slopes(options.alibi_slopes);
 
   // Every row is written by the kernels (keys that no query sees get dk = dv = 0 there).
   at::Tensor dq = at::empty(q.sizes(), q.options());
