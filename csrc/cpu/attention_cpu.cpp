@@ -440,6 +440,19 @@ IndexRange recompute_row(const FwdParams& p, const HeadContext& head, const Quer
   return cols;
 }
 
+// Per-thread scratch of both backward passes: one query row's recomputed P and dS against a key tile,
+// and the dropout keep flags they need.
+struct RowScratch {
+  std::vector<float> probs = std::vector<float>(kBlockN);
+  std::vector<float> dscores = std::vector<float>(kBlockN);
+  std::vector<uint8_t> keep = std::vector<uint8_t>(kBlockN);
+
+  IndexRange recompute(const BwdParams& p, const HeadContext& head, const QueryTile& queries, int r,
+                       const KeyTile& keys) {
+    return recompute_row(p, head, queries, r, keys, keep.data(), probs.data(), dscores.data());
+  }
+};
+
 // Pass 1: one task per (sequence, kv head, key block) owns those dK and dV rows. It sums
 // dV += P^T . dO and dK += dS^T . Q over every query head of its GQA group and every query
 // block that sees the key block, then writes dk = softmax_scale * dK and dv once.
@@ -452,9 +465,8 @@ void compute_dk_dv(const BwdParams& p, const std::vector<float>& softmax_d) {
   at::parallel_for(0, num_tasks, 1, [&](int64_t task_begin, int64_t task_end) {
     QueryTile queries(head_dim);
     KeyTile keys(head_dim);
+    RowScratch row;
     std::vector<float> acc_dk(kBlockN * head_dim), acc_dv(kBlockN * head_dim);
-    std::vector<float> probs(kBlockN), dscores(kBlockN);
-    std::vector<uint8_t> keep(kBlockN);
 
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t k_block = task % k_blocks;
@@ -472,11 +484,10 @@ void compute_dk_dv(const BwdParams& p, const std::vector<float>& softmax_d) {
         for (int64_t q_block = q_blocks.begin; q_block < q_blocks.end; ++q_block) {
           load_query_tile<T>(p, seq, h, q_block, softmax_d, queries);
           for (int r = 0; r < queries.rows.size; ++r) {
-            const IndexRange cols =
-                recompute_row(p, head, queries, r, keys, keep.data(), probs.data(), dscores.data());
+            const IndexRange cols = row.recompute(p, head, queries, r, keys);
             for (int64_t c = cols.begin; c < cols.end; ++c) {
-              axpy(probs[c], &queries.dout[r * head_dim], &acc_dv[c * head_dim], head_dim);
-              axpy(dscores[c], &queries.q[r * head_dim], &acc_dk[c * head_dim], head_dim);
+              axpy(row.probs[c], &queries.dout[r * head_dim], &acc_dv[c * head_dim], head_dim);
+              axpy(row.dscores[c], &queries.q[r * head_dim], &acc_dk[c * head_dim], head_dim);
             }
           }
         }
@@ -500,9 +511,8 @@ void compute_dq(const BwdParams& p, const std::vector<float>& softmax_d) {
   at::parallel_for(0, num_tasks, 1, [&](int64_t task_begin, int64_t task_end) {
     QueryTile queries(head_dim);
     KeyTile keys(head_dim);
+    RowScratch row;
     std::vector<float> acc_dq(kBlockM * head_dim);
-    std::vector<float> probs(kBlockN), dscores(kBlockN);
-    std::vector<uint8_t> keep(kBlockN);
 
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t q_block = task % q_blocks;
@@ -518,9 +528,9 @@ void compute_dq(const BwdParams& p, const std::vector<float>& softmax_d) {
       for (int64_t k_block = k_blocks.begin; k_block < k_blocks.end; ++k_block) {
         load_key_tile<T>(p, seq, h_kv, k_block, keys);
         for (int r = 0; r < queries.rows.size; ++r) {
-          const IndexRange cols = recompute_row(p, head, queries, r, keys, keep.data(), probs.data(), dscores.data());
+          const IndexRange cols = row.recompute(p, head, queries, r, keys);
           for (int64_t c = cols.begin; c < cols.end; ++c) {
-            axpy(dscores[c], &keys.k[c * head_dim], &acc_dq[r * head_dim], head_dim);
+            axpy(row.dscores[c], &keys.k[c * head_dim], &acc_dq[r * head_dim], head_dim);
           }
         }
       }
