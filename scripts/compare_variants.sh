@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Measure several versions of the kernels in one device call: the checkout itself ("main") and every
+# git worktree under .exp/ (e.g. `git worktree add .exp/dq-before-dk next/bwd-dq-before-dk`, with
+# `/.exp/` in .git/info/exclude and `.exp` in the device run's carry). Each is built in place for the
+# local GPU and benchmarked with the same bench_attention.py arguments; with --tests, its CUDA tests run
+# too. One file per version comes back: $OUT/<name>.txt (build status, ptxas summary, test line, table).
+#
+#   bash scripts/compare_variants.sh [--tests] [-- BENCH ARGS]
+#   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
+#
+# At most 7 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16).
+set -uo pipefail
+
+OUT=${OUT:-/tmp/flash_ext_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+TESTS=0
+BENCH_ARGS=(--head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tests) TESTS=1 ;;
+    --) shift; BENCH_ARGS=("$@"); break ;;
+    *) echo "compare_variants.sh: unknown argument $1" >&2; exit 64 ;;
+  esac
+  shift
+done
+
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PATH="$CUDA_HOME/bin:$PATH"
+export FLASH_EXT_CUDA_ARCHS=${FLASH_EXT_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} FLASH_EXT_PTXAS_VERBOSE=1 PYTHONUNBUFFERED=1
+
+measure() {  # name dir
+  local name=$1 dir=$2 report="$OUT/$1.txt"
+  echo "==== $name ($dir)" | tee "$report"
+  (
+    cd "$dir" || exit 1
+    if ! "$PY" setup.py build_ext --inplace >"/tmp/build_$name.log" 2>&1; then
+      echo "build FAILED:"; grep -E "error" "/tmp/build_$name.log" | head -n 20; exit 1
+    fi
+    echo "build ok; ptxas: $(grep -c 'Used [0-9]* registers' "/tmp/build_$name.log") kernels," \
+         "$(grep 'bytes spill stores' "/tmp/build_$name.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads') with spills"
+    if [ "$TESTS" = 1 ]; then
+      timeout 240 "$PY" -m pytest tests -m cuda -q -x -p no:cacheprovider 2>&1 | tail -n 1
+    fi
+    PYTHONPATH="$PWD" timeout 300 "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" 2>&1 |
+      grep -E "^(op |-{8}|fwd |bwd |fwd_bwd |TFLOP)"
+  ) 2>&1 | tee -a "$report"
+}
+
+measure main "$REPO"
+if [ -d "$REPO/.exp" ]; then
+  for dir in "$REPO"/.exp/*/; do
+    [ -f "$dir/setup.py" ] && measure "$(basename "$dir")" "${dir%/}"
+  done
+fi
