@@ -224,6 +224,22 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   // Softcap / ALiBi constants, formed once (a slope load and two divisions), not per key block.
   const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
 
+  // V[key_block] has landed; every warp is done reading K, so the next K may load. Where: with 16-row
+  // warps (head_dim > 128), right after S = Q·Kᵀ, so that the next K has the softmax and P·V to land in
+  // (FlashAttention-2's order); with 32-row warps after the softmax, where the score tile is already in
+  // 16-bit fragments (issued earlier, the copy's addresses beside the fp32 score tile made ptxas spill
+  // 20-204 bytes at head_dim 64 / 128).
+  constexpr bool kEarlyNextK = Config::kRowsPerWarp == 16;
+  auto wait_v_then_load_next_k = [&] {
+    cp_async_wait<0>();
+    __syncthreads();
+    if (next_key_block >= 0) {
+      load_tile_async<Config, kBlockN>(smem_k, k_tile(next_key_block), params.k_strides.row,
+                                       len_k - next_key_block * kBlockN);
+    }
+    cp_async_commit();
+  };
+
   auto process_key_block = [&](auto is_first, auto needs_mask) {
     // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
     cp_async_wait<0>();
@@ -235,6 +251,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     float acc_s[kMTiles][kNTilesS][4] = {};
     gemm_smem<Element, kMTiles, kNTilesS, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(acc_s, q_lane_addr,
                                                                                                  k_lane_addr);
+    if constexpr (kEarlyNextK) wait_v_then_load_next_k();
 
     if constexpr (kExtras) {
       if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod);
@@ -252,14 +269,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     uint32_t p_frag[kMTiles][kBlockN / 16][4];  // P in 16 bits, as A fragments of P · V
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
 
-    // V[key_block] has landed; every warp is done reading K, so the next K may load.
-    cp_async_wait<0>();
-    __syncthreads();
-    if (next_key_block >= 0) {
-      load_tile_async<Config, kBlockN>(smem_k, k_tile(next_key_block), params.k_strides.row,
-                                       len_k - next_key_block * kBlockN);
-    }
-    cp_async_commit();
+    if constexpr (!kEarlyNextK) wait_v_then_load_next_k();
 
     // O += P · V.
     gemm_rs_ab<Element, kMTiles, kNTilesO, kBlockN / 16, kPitch>(acc_o, p_frag, v_lane_addr);
