@@ -11,6 +11,7 @@
 #include <mutex>
 #include <optional>
 
+#include "common/dq_accum_layout.h"
 #include "common/philox.h"
 #include "cpu/attention_cpu.h"
 #include "error_message.h"
@@ -690,11 +691,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     return result();
   }
   // Scratch, O(seqlen): D = rowsum(dout * out) per query row (fp32, lse's layout), and unless
-  // deterministic the fp32 dQ accumulator (contiguous, q's shape) that the dK/dV kernel adds into with
-  // atomics; the preprocess kernel zeroes it.
+  // deterministic the fp32 dQ accumulator that the dK/dV kernel adds into with atomics (q's rows, up to
+  // 8 rows of padding per sequence, heads and head dim; tiled as common/dq_accum_layout.h says); the
+  // preprocess kernel zeroes it.
   at::Tensor softmax_d = at::empty(lse_c.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dq_accum;
-  if (!deterministic) dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  if (!deterministic) {
+    const int64_t query_rows = varlen.is_varlen() ? q.size(0) : q.size(0) * q.size(1);
+    const int64_t sequences = varlen.is_varlen() ? varlen.cu_seqlens_q->size(0) - 1 : q.size(0);
+    dq_accum = at::empty({DqAccumLayout::rows(query_rows, sequences), q.size(-2), q.size(-1)},
+                         q.options().dtype(at::kFloat));
+  }
 
   const FwdParams fwd = varlen.is_varlen()
                             ? make_varlen_fwd_params(q, k, v, out, lse_c, *varlen.cu_seqlens_q, *varlen.cu_seqlens_k,

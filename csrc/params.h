@@ -162,8 +162,8 @@ struct BwdParams : FwdParams {
   TensorStrides dout_strides, dq_strides, dk_strides, dv_strides;
 
   float* softmax_d = nullptr;  // D = rowsum(dout * out), fp32 scratch in lse's layout (CUDA)
-  // CUDA, deterministic = false: dQ summed with fp32 atomics into this zeroed buffer,
-  // (batch, seqlen_q, heads_q, head_dim) contiguous, then scaled and rounded into dq.
+  // CUDA, deterministic = false: dQ summed with fp32 atomics into this zeroed buffer (tiled:
+  // common/dq_accum_layout.h), then scaled and rounded into dq.
   // nullptr: dQ by a separate atomic-free pass.
   float* dq_accum = nullptr;
   bool deterministic = false;

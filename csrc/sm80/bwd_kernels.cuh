@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "../common/band_mask.cuh"
+#include "../common/dq_accum_layout.h"
 #include "../common/dropout_bits.cuh"
 #include "../common/philox.h"
 #include "../common/ptx.cuh"
@@ -34,10 +35,28 @@ namespace flash_ext::sm80 {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// The dQ accumulator row (DqAccumLayout) of query row `row` of batch entry `batch`, numbered as the
+// preprocess and convert kernels number them: a variable-length batch is one packed entry whose
+// sequence is looked up in cu_seqlens_q (binary search: the last b with cu_seqlens_q[b] <= row, which
+// skips sequences of length 0).
+__device__ __forceinline__ int64_t dq_accum_row(const BwdParams& params, int64_t batch, int64_t row) {
+  if (!params.is_varlen()) return DqAccumLayout::first_row(batch * params.seqlen_q, batch) + row;
+  int lo = 0, hi = params.batch;  // cu_seqlens_q[lo] <= row < cu_seqlens_q[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (params.cu_seqlens_q[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return DqAccumLayout::first_row(params.cu_seqlens_q[lo], lo) + row - params.cu_seqlens_q[lo];
+}
+
 // D = sum_d dout * out per query row, in fp32: one warp per (row, head); with params.dq_accum, the
 // warp also zeroes the row's fp32 dQ accumulator (one kernel instead of a separate memset). Rows are
 // numbered through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length batch is
-// one packed "batch" of total_q rows (its batch strides are 0). dq_accum rows follow the same numbering.
+// one packed "batch" of total_q rows (its batch strides are 0).
 template <int kHeadDim, typename Element>
 __global__ void __launch_bounds__(256)
     attention_bwd_preprocess_kernel(const __grid_constant__ BwdParams params, const int64_t rows_per_batch,
@@ -66,8 +85,13 @@ __global__ void __launch_bounds__(256)
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
   if (lane == 0) params.softmax_d[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = sum;
   if (params.dq_accum != nullptr) {
-    float4* accum_row = reinterpret_cast<float4*>(params.dq_accum + row_id * kHeadDim);
-    for (int chunk = lane; chunk < kHeadDim / 4; chunk += 32) accum_row[chunk] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const DqAccumLayout layout{params.heads_q, kHeadDim};
+    const int64_t accum_row = dq_accum_row(params, batch, row);
+    float* accum = params.dq_accum + DqAccumLayout::row_in_tile(accum_row);
+    for (int chunk = lane; chunk < kHeadDim / 4; chunk += 32) {  // 4 floats each, 4 chunks per tile row
+      *reinterpret_cast<float4*>(accum + layout.tile_offset(accum_row, head, 4 * chunk) + 4 * (chunk % 4)) =
+          make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 }
 
@@ -315,19 +339,20 @@ __global__ void __launch_bounds__(Tile::kThreads)
     gemm_smem<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kRowsAreMN, kDsPitch, kRowsAreK, kPitch>(
         acc_dk, dst_lane_addr, q_as_b_addr + stage_offset);
 
-    // ---- Phase 3: dQ (kBlockQueries x kHeadDim) += dS·K, added to the fp32 buffer with float2
-    // atomics; the warp's columns go in chunks (the accumulator stays <= 32 floats beside dK, dV).
+    // ---- Phase 3: dQ (kBlockQueries x kHeadDim) += dS·K, added to the fp32 buffer with atomics, a
+    // 16-byte one per lane for each 8 x 16 tile of it (DqAccumLayout); the warp's columns go in chunks
+    // (the accumulator stays <= 32 floats beside dK, dV).
     if (fused_dq) {
       constexpr int kChunkCols = Tile::kDqChunkCols;
+      constexpr int kTileCols = DqAccumLayout::kTileCols;
       const uint32_t ds_lane_addr = a_transposed_lane_address<kDsPitch>(smem_dst + dq_first_row);  // A: dS = (dSᵀ)ᵀ
       const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k + dq_first_col);           // B: K
-      const int64_t dq_row_stride = static_cast<int64_t>(params.heads_q) * kHeadDim;
-      // dq_accum rows follow q's rows: (batch, seqlen_q) dense, total_q packed.
-      const int64_t accum_row =
-          (params.is_varlen() ? params.query_span(batch).begin : static_cast<int64_t>(batch) * params.seqlen_q) +
-          first_query + dq_first_row + lane / 4;
-      float* dq_accum_row =
-          params.dq_accum + (accum_row * params.heads_q + head) * kHeadDim + dq_first_col + 2 * (lane % 4);
+      const DqAccumLayout dq_layout{params.heads_q, kHeadDim};
+      const int64_t sequence_begin =
+          params.is_varlen() ? params.query_span(batch).begin : static_cast<int64_t>(batch) * params.seqlen_q;
+      const int64_t accum_row = DqAccumLayout::first_row(sequence_begin, batch) + first_query + dq_first_row;
+      // This lane's 4 floats of the warp's first tile (rows dq_first_row .. + 7, columns dq_first_col .. + 15).
+      float* dq_accum_lane = params.dq_accum + dq_layout.tile_offset(accum_row, head, dq_first_col) + 4 * lane;
 #pragma unroll
       for (int chunk = 0; chunk < Tile::kDqCols / kChunkCols; ++chunk) {
         float acc_dq[kDqMTiles][kChunkCols / 8][4] = {};
@@ -337,11 +362,15 @@ __global__ void __launch_bounds__(Tile::kThreads)
         for (int mi = 0; mi < kDqMTiles; ++mi) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            if (dq_first_row + 16 * mi + lane / 4 + 8 * half >= valid_queries) continue;
+            // Whole 8-row tiles past the block's valid queries are skipped (a uniform branch); the
+            // rows past a sequence's end within a tile are the buffer's padding (their dS is 0).
+            if (dq_first_row + 16 * mi + 8 * half >= valid_queries) continue;
 #pragma unroll
-            for (int nt = 0; nt < kChunkCols / 8; ++nt) {
-              atomic_add_float2(dq_accum_row + (16 * mi + 8 * half) * dq_row_stride + chunk * kChunkCols + nt * 8,
-                                acc_dq[mi][nt][2 * half], acc_dq[mi][nt][2 * half + 1]);
+            for (int pair = 0; pair < kChunkCols / kTileCols; ++pair) {
+              atomic_add_float4(dq_accum_lane + (2 * mi + half) * dq_layout.row_group_stride() +
+                                    (chunk * kChunkCols / kTileCols + pair) * DqAccumLayout::kTileFloats,
+                                acc_dq[mi][2 * pair][2 * half], acc_dq[mi][2 * pair][2 * half + 1],
+                                acc_dq[mi][2 * pair + 1][2 * half], acc_dq[mi][2 * pair + 1][2 * half + 1]);
             }
           }
         }
@@ -380,28 +409,35 @@ __global__ void __launch_bounds__(Tile::kThreads)
   }
 }
 
-// dq = softmax_scale · dq_accum, rounded to the input dtype: 8 elements per thread. Rows are
-// numbered as in the preprocess kernel.
+// dq = softmax_scale · dq_accum, rounded to the input dtype: 16 columns (one row of a DqAccumLayout
+// tile) per thread. Rows are numbered as in the preprocess kernel.
 template <int kHeadDim, typename Element>
 __global__ void __launch_bounds__(256)
     attention_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params, const int64_t rows_per_batch,
                                     const int64_t num_rows) {
-  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kChunksPerRow = kHeadDim / DqAccumLayout::kTileCols;
   const int64_t chunk_id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t row_id = chunk_id / kChunksPerRow;  // (batch, row, head), head fastest, as dq_accum
+  const int64_t row_id = chunk_id / kChunksPerRow;  // (batch, row, head), head fastest
   if (row_id >= num_rows * params.heads_q) return;
-  const int col = chunk_id % kChunksPerRow * 8;
+  const int col = chunk_id % kChunksPerRow * DqAccumLayout::kTileCols;
   const int head = row_id % params.heads_q;
   const int64_t row = row_id / params.heads_q % rows_per_batch;
   const int64_t batch = row_id / params.heads_q / rows_per_batch;
-  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + row_id * kHeadDim + col);
-  const float4 lo = src[0], hi = src[1];
+  const DqAccumLayout layout{params.heads_q, kHeadDim};
+  const int64_t accum_row = dq_accum_row(params, batch, row);
+  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + layout.tile_offset(accum_row, head, col) +
+                                                      DqAccumLayout::row_in_tile(accum_row));
+  // Float4 q holds columns 2q, 2q + 1 (x, y) and 8 + 2q, 8 + 2q + 1 (z, w).
+  const float4 f0 = src[0], f1 = src[1], f2 = src[2], f3 = src[3];
   const float s = params.softmax_scale;
-  const uint4 packed = {pack_float2<Element>(lo.x * s, lo.y * s), pack_float2<Element>(lo.z * s, lo.w * s),
-                        pack_float2<Element>(hi.x * s, hi.y * s), pack_float2<Element>(hi.z * s, hi.w * s)};
+  const uint4 first8 = {pack_float2<Element>(f0.x * s, f0.y * s), pack_float2<Element>(f1.x * s, f1.y * s),
+                        pack_float2<Element>(f2.x * s, f2.y * s), pack_float2<Element>(f3.x * s, f3.y * s)};
+  const uint4 last8 = {pack_float2<Element>(f0.z * s, f0.w * s), pack_float2<Element>(f1.z * s, f1.w * s),
+                       pack_float2<Element>(f2.z * s, f2.w * s), pack_float2<Element>(f3.z * s, f3.w * s)};
   Element* dq = static_cast<Element*>(params.dq) + batch * params.dq_strides.batch + row * params.dq_strides.row +
                 head * params.dq_strides.head + col;
-  *reinterpret_cast<uint4*>(dq) = packed;
+  reinterpret_cast<uint4*>(dq)[0] = first8;
+  reinterpret_cast<uint4*>(dq)[1] = last8;
 }
 
 // num_stages (1 or 2): key-block buffers in shared memory, chosen by the host (buffer_stages).
