@@ -255,8 +255,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
       }
       const float kept_scale = kExtras && params.has_dropout() ? params.dropout_scale : 1.f;
       // P (and dS) of every element; `masked`: whether any (query, key) of the block lies outside the
-      // band or past the sequences' ends (a uniform branch: most blocks need no mask).
-      auto scores_to_gradients = [&](auto masked) {
+      // band or past the sequences' ends (a uniform branch: most blocks need no mask); `dropped`:
+      // dropout is on (kExtras only; a separate copy so that softcap / ALiBi without dropout do not
+      // pay for the keep selects: 5 instructions per element).
+      auto scores_to_gradients = [&](auto masked, auto dropped) {
 #pragma unroll
         for (int mi = 0; mi < kScoreMTiles; ++mi) {
 #pragma unroll
@@ -291,9 +293,13 @@ __global__ void __launch_bounds__(Tile::kThreads)
                                     static_cast<float>(key), tanh_value);
                   p = visible ? exp2f(fmaf(modified, params.scale_log2, -lse_log2)) : 0.f;
                   grad_factor = 1.f - tanh_value * tanh_value;
-                  const bool kept = keep_bits >> (((mi * 2 + half) * kScoreNTiles + nj) * 2 + e) & 1;
-                  acc_s[mi][nj][r] = kept ? p * kept_scale : 0.f;
-                  dp = kept ? dp * kept_scale : 0.f;
+                  if constexpr (decltype(dropped)::value) {
+                    const bool kept = keep_bits >> (((mi * 2 + half) * kScoreNTiles + nj) * 2 + e) & 1;
+                    acc_s[mi][nj][r] = kept ? p * kept_scale : 0.f;
+                    dp = kept ? dp * kept_scale : 0.f;
+                  } else {
+                    acc_s[mi][nj][r] = p;
+                  }
                 } else {
                   p = visible ? exp2f(fmaf(acc_s[mi][nj][r], params.scale_log2, -lse_log2)) : 0.f;
                   acc_s[mi][nj][r] = p;
@@ -309,10 +315,17 @@ __global__ void __launch_bounds__(Tile::kThreads)
       const bool block_unmasked = valid_queries == kBlockQueries &&
                                   band.begin(first_query + kBlockQueries - 1) <= first_key &&
                                   band.end(first_query) >= first_key + kBlockKeys;
-      if (block_unmasked) {
-        scores_to_gradients(std::false_type{});
+      auto scores_to_gradients_masked_or_not = [&](auto dropped) {
+        if (block_unmasked) {
+          scores_to_gradients(std::false_type{}, dropped);
+        } else {
+          scores_to_gradients(std::true_type{}, dropped);
+        }
+      };
+      if (kExtras && params.has_dropout()) {
+        scores_to_gradients_masked_or_not(std::integral_constant<bool, kExtras>{});
       } else {
-        scores_to_gradients(std::true_type{});
+        scores_to_gradients_masked_or_not(std::false_type{});
       }
       // 16-bit Pᵀ and dSᵀ to shared memory: accumulator registers (0, 1) of (mi, nj) are key row
       // lane/4 of m-tile mi, query columns 2 (lane % 4) and + 1 of n-tile nj; (2, 3) the row + 8.
