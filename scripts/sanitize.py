@@ -14,6 +14,7 @@ from flash_ext.reference import attention_ref
 torch.manual_seed(0)
 cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal
     (1, 129, 77, 4, 2, 64, True),
+    (1, 150, 330, 2, 2, 64, False),  # 6 key blocks: the forward's K buffers alternate and wrap
     (2, 17, 200, 2, 1, 128, False),
     (1, 200, 17, 2, 2, 59, True),
     (1, 65, 130, 2, 2, 256, True),
