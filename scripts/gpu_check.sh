@@ -14,8 +14,9 @@
 #   --sanitize      after the tests, run scripts/sanitize.py under compute-sanitizer memcheck and
 #                   racecheck (sanitize.log; a finding counts as a test failure)
 #   --profile       after the tests, benchmarks/kernel_breakdown.py (per-kernel time of the backward, ours and
-#                   FA2's: breakdown.txt) and Nsight Compute of our kernels beside FA2's (bwd hd128 8k, fwd hd256
-#                   8k: ncu.txt); FLASH_EXT_EXPERIMENT_* variables are passed through
+#                   FA2's: breakdown.txt) and Nsight Compute of our kernels beside FA2's (8k; the cases in
+#                   GPU_CHECK_NCU_CASES, default "bwd:128 fwd:256"; GPU_CHECK_NCU_SOURCE=1 adds the SourceCounters
+#                   section, the SASS lines with the most stall samples: ncu.txt)
 #   --features      after the benchmark, benchmarks/bench_features.py (varlen, window, softcap, ALiBi;
 #                   features.json/.txt) and benchmarks/memory_scaling.py (memory.json/.txt)
 #   -- ARGS         passed on to benchmarks/bench_attention.py (e.g. -- --ops fwd --head-dims 64)
@@ -234,9 +235,19 @@ EOF
                     --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis_Tables
                     --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy
                     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
-    local spec name script_args
-    for spec in "attention_bwd_dkdv|--backward --head-dim 128" "flash_bwd_dq_dk_dv|--backward --head-dim 128 --impl sdpa_flash" \
-                "attention_fwd|--head-dim 256" "flash_fwd_kernel|--head-dim 256 --impl sdpa_flash"; do
+    [ "${GPU_CHECK_NCU_SOURCE:-0}" = 1 ] && ncu_args+=(--section SourceCounters)
+    # Each case (op:head_dim) profiles our kernel and FA2's at that shape (bf16, 8k).
+    local case op hd specs=() spec name script_args
+    for case in ${GPU_CHECK_NCU_CASES:-bwd:128 fwd:256}; do
+      op=${case%%:*}
+      hd=${case#*:}
+      if [ "$op" = bwd ]; then
+        specs+=("attention_bwd_dkdv|--backward --head-dim $hd" "flash_bwd_dq_dk_dv|--backward --head-dim $hd --impl sdpa_flash")
+      else
+        specs+=("attention_fwd|--head-dim $hd" "flash_fwd_kernel|--head-dim $hd --impl sdpa_flash")
+      fi
+    done
+    for spec in "${specs[@]}"; do
       name=${spec%%|*}
       script_args=${spec#*|}
       [ "$(remaining)" -lt 90 ] && { echo "ncu: skipping $name (time)"; continue; }
