@@ -237,10 +237,10 @@ EOF
                     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
     [ "${GPU_CHECK_NCU_SOURCE:-0}" = 1 ] && ncu_args+=(--section SourceCounters)
     # Each case (op:head_dim) profiles our kernel and FA2's at that shape (bf16, 8k).
-    local case op hd specs=() spec name script_args
-    for case in ${GPU_CHECK_NCU_CASES:-bwd:128 fwd:256}; do
-      op=${case%%:*}
-      hd=${case#*:}
+    local ncu_case op hd specs=() spec name script_args
+    for ncu_case in ${GPU_CHECK_NCU_CASES:-bwd:128 fwd:256}; do
+      op=${ncu_case%%:*}
+      hd=${ncu_case#*:}
       if [ "$op" = bwd ]; then
         specs+=("attention_bwd_dkdv|--backward --head-dim $hd" "flash_bwd_dq_dk_dv|--backward --head-dim $hd --impl sdpa_flash")
       else
