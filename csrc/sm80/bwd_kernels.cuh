@@ -323,6 +323,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
         }
       };
       if (kExtras && params.has_dropout()) {
+        // std::true_type where kExtras; plain attention instantiates no dropout copy (the branch is dead there).
         scores_to_gradients_masked_or_not(std::integral_constant<bool, kExtras>{});
       } else {
         scores_to_gradients_masked_or_not(std::false_type{});
