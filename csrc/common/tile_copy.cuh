@@ -1,16 +1,17 @@
-// Global -> shared copies of (rows x head_dim) tiles with cp.async, into the padded row layout
-// the kernels' ldmatrix addressing assumes.
+// Global -> shared copies of (rows x head_dim) tiles with cp.async, into the tile layout
+// (smem_rows.cuh) the kernels' ldmatrix addressing assumes.
 #pragma once
 
 #include <cstdint>
 
 #include "ptx.cuh"
+#include "smem_rows.cuh"
 
 namespace flash_ext {
 
-// Config provides kHeadDim, kThreads and kSmemRowPitch (the shared row pitch in elements).
-// Copies `rows` x kHeadDim elements (row r at gmem + r * gmem_row_stride) into a padded
-// shared tile; rows at or past `valid_rows` are zero-filled.
+// Config provides kHeadDim, kThreads and Rows (the shared tile layout, smem_rows.cuh).
+// Copies `rows` x kHeadDim elements (row r at gmem + r * gmem_row_stride) into a shared tile;
+// rows at or past `valid_rows` are zero-filled.
 //
 // Thread layout, where a row is a whole number of 128-byte segments (head_dim 64, 128, 192, 256; 192 is
 // not measured separately): consecutive threads copy one segment, so a warp's copy instruction covers 4 rows x 128
@@ -33,18 +34,21 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
     constexpr int kRowsPerPass = Config::kThreads / kSegmentChunks;
     int row = threadIdx.x / kSegmentChunks;
     const int col = threadIdx.x % kSegmentChunks * kElementsPerChunk;
+    static_assert(kRowsPerPass % 8 == 0, "a pass moves whole 8-row groups (the swizzle repeats every 8 rows)");
+    using Rows = typename Config::Rows;
     const Element* src = gmem + row * gmem_row_stride + col;
-    uint32_t dst = smem_address(smem + row * Config::kSmemRowPitch + col);
+    uint32_t dst = smem_address(smem) + Rows::offset(row, col);
 #pragma unroll 1
     for (; row < kRows; row += kRowsPerPass) {
       const bool valid = row < valid_rows;
       const Element* row_src = valid ? src : gmem;  // zero-filled rows read nothing; row 0 is a valid address
 #pragma unroll
       for (int segment = 0; segment < kSegmentsPerRow; ++segment) {
-        cp_async_16(dst + segment * kSegmentChunks * 16, row_src + segment * kSegmentChunks * kElementsPerChunk, valid);
+        // Segment s is 128-byte line s of the row in either layout.
+        cp_async_16(dst + segment * 128, row_src + segment * kSegmentChunks * kElementsPerChunk, valid);
       }
       src += kRowsPerPass * gmem_row_stride;
-      dst += kRowsPerPass * Config::kSmemRowPitch * sizeof(Element);
+      dst += kRowsPerPass * Rows::kRowBytes;
     }
   } else {
 #pragma unroll 1
@@ -53,7 +57,7 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
       const int col = chunk_id % kChunksPerRow * kElementsPerChunk;
       const bool valid = row < valid_rows;
       const Element* src = valid ? gmem + row * gmem_row_stride + col : gmem;
-      cp_async_16(smem_address(smem + row * Config::kSmemRowPitch + col), src, valid);
+      cp_async_16(smem_address(smem) + Config::Rows::offset(row, col), src, valid);
     }
   }
 }

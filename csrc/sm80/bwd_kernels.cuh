@@ -103,11 +103,11 @@ __global__ void __launch_bounds__(Tile::kThreads)
     attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params, const int num_stages) {
   constexpr bool kExtras = Tile::kExtras;
   constexpr int kHeadDim = Tile::kHeadDim;
-  constexpr int kPitch = Tile::kSmemRowPitch;
-  constexpr int kDsPitch = Tile::kDsRowPitch;
+  using Rows = typename Tile::Rows;            // K, V, Q, dO tiles
+  using ScoreRows = typename Tile::ScoreRows;  // Pᵀ, dSᵀ tiles
   constexpr int kBlockKeys = Tile::kBlockKeys;
   constexpr int kBlockQueries = Tile::kBlockQueries;
-  constexpr int kQueryTileElements = kBlockQueries * kPitch;
+  constexpr int kQueryTileElements = kBlockQueries * Rows::kRowElements;
   // Phase 1 warp tile: 32 keys (2 m-tiles) x kScoreQueries; phase 2: kGradKeys x kGradCols;
   // phase 3: kDqRows x kDqChunkCols at a time.
   constexpr int kScoreMTiles = 2, kScoreNTiles = Tile::kScoreQueries / 8;
@@ -116,12 +116,12 @@ __global__ void __launch_bounds__(Tile::kThreads)
   constexpr int kDqMTiles = Tile::kDqRows / 16;
   const bool fused_dq = params.dq_accum != nullptr;
 
-  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  extern __shared__ __align__(128) unsigned char smem_bytes[];  // 128: the swizzled layout XORs address bits
   Element* smem_k = reinterpret_cast<Element*>(smem_bytes);
-  Element* smem_v = smem_k + kBlockKeys * kPitch;
-  Element* smem_pt = smem_v + kBlockKeys * kPitch;      // Pᵀ: keys x queries (dV)
-  Element* smem_dst = smem_pt + kBlockKeys * kDsPitch;  // dSᵀ: keys x queries (dK, dQ)
-  Element* smem_q = smem_dst + kBlockKeys * kDsPitch;   // then num_stages tiles each of Q and dO
+  Element* smem_v = smem_k + kBlockKeys * Rows::kRowElements;
+  Element* smem_pt = smem_v + kBlockKeys * Rows::kRowElements;       // Pᵀ: keys x queries (dV)
+  Element* smem_dst = smem_pt + kBlockKeys * ScoreRows::kRowElements;  // dSᵀ: keys x queries (dK, dQ)
+  Element* smem_q = smem_dst + kBlockKeys * ScoreRows::kRowElements;   // then num_stages tiles each of Q and dO
   Element* smem_dout = smem_q + num_stages * kQueryTileElements;
   float* smem_lse = reinterpret_cast<float*>(smem_dout + num_stages * kQueryTileElements);
   float* smem_d = smem_lse + num_stages * kBlockQueries;
@@ -199,15 +199,15 @@ __global__ void __launch_bounds__(Tile::kThreads)
   float acc_dv[kGradMTiles][kGradNTiles][4] = {};
   float acc_dk[kGradMTiles][kGradNTiles][4] = {};
   // Phase 1 operands: A of Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, B (rows are queries) of both.
-  const uint32_t k_lane_addr = a_lane_address<kPitch>(smem_k + score_first_key * kPitch);
-  const uint32_t v_lane_addr = a_lane_address<kPitch>(smem_v + score_first_key * kPitch);
-  const uint32_t q_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_q + score_first_query * kPitch);
-  const uint32_t dout_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_dout + score_first_query * kPitch);
+  const uint32_t k_lane_addr = a_lane_address<Rows>(smem_address(smem_k), score_first_key, 0);
+  const uint32_t v_lane_addr = a_lane_address<Rows>(smem_address(smem_v), score_first_key, 0);
+  const uint32_t q_as_bt_addr = b_rows_n_lane_address<Rows>(smem_address(smem_q), score_first_query, 0);
+  const uint32_t dout_as_bt_addr = b_rows_n_lane_address<Rows>(smem_address(smem_dout), score_first_query, 0);
   // Phase 2: A of dV += Pᵀ·dO and dK += dSᵀ·Q, B (rows are queries) of both.
-  const uint32_t pt_lane_addr = a_lane_address<kDsPitch>(smem_pt + grad_first_key * kDsPitch);
-  const uint32_t dst_lane_addr = a_lane_address<kDsPitch>(smem_dst + grad_first_key * kDsPitch);
-  const uint32_t dout_as_b_addr = b_rows_k_lane_address<kPitch>(smem_dout + grad_first_col);
-  const uint32_t q_as_b_addr = b_rows_k_lane_address<kPitch>(smem_q + grad_first_col);
+  const uint32_t pt_lane_addr = a_lane_address<ScoreRows>(smem_address(smem_pt), grad_first_key, 0);
+  const uint32_t dst_lane_addr = a_lane_address<ScoreRows>(smem_address(smem_dst), grad_first_key, 0);
+  const uint32_t dout_as_b_addr = b_rows_k_lane_address<Rows>(smem_address(smem_dout), 0, grad_first_col);
+  const uint32_t q_as_b_addr = b_rows_k_lane_address<Rows>(smem_address(smem_q), 0, grad_first_col);
   // This thread's score elements: keys thread_key + 16 mi + 8 half (of the sequence), queries
   // thread_query + 8 nj + e (of the block). Zero-filled rows past len_k must get P = 0, or their
   // dS would reach dQ.
@@ -237,9 +237,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
     {
       float acc_s[kScoreMTiles][kScoreNTiles][4] = {};   // Sᵀ, then Pᵀ in place (dropped and rescaled)
       float acc_dp[kScoreMTiles][kScoreNTiles][4] = {};  // dPᵀ, then dSᵀ in place
-      gemm_smem<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(
+      gemm_smem<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kRowsAreMN, Rows, kRowsAreMN, Rows>(
           acc_s, k_lane_addr, q_as_bt_addr + stage_offset);
-      gemm_smem<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(
+      gemm_smem<Element, kScoreMTiles, kScoreNTiles, kHeadDim / 16, kRowsAreMN, Rows, kRowsAreMN, Rows>(
           acc_dp, v_lane_addr, dout_as_bt_addr + stage_offset);
       const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
       // The diagonal key of this thread's first query column, as a float (ALiBi distances).
@@ -336,10 +336,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
         for (int nj = 0; nj < kScoreNTiles; ++nj) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int offset = (score_first_key + 16 * mi + lane / 4 + 8 * half) * kDsPitch + thread_query + 8 * nj;
-            *reinterpret_cast<uint32_t*>(smem_pt + offset) =
+            const uint32_t offset = ScoreRows::offset(score_first_key + 16 * mi + lane / 4 + 8 * half, thread_query + 8 * nj);
+            *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(smem_pt) + offset) =
                 pack_float2<Element>(acc_s[mi][nj][2 * half], acc_s[mi][nj][2 * half + 1]);
-            *reinterpret_cast<uint32_t*>(smem_dst + offset) =
+            *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(smem_dst) + offset) =
                 pack_float2<Element>(acc_dp[mi][nj][2 * half], acc_dp[mi][nj][2 * half + 1]);
           }
         }
@@ -348,9 +348,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
     __syncthreads();  // Pᵀ and dSᵀ of the whole block are in shared memory
 
     // ---- Phase 2: dV += Pᵀ·dO and dK += dSᵀ·Q for the warp's kGradKeys x kGradCols.
-    gemm_smem<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kRowsAreMN, kDsPitch, kRowsAreK, kPitch>(
+    gemm_smem<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kRowsAreMN, ScoreRows, kRowsAreK, Rows>(
         acc_dv, pt_lane_addr, dout_as_b_addr + stage_offset);
-    gemm_smem<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kRowsAreMN, kDsPitch, kRowsAreK, kPitch>(
+    gemm_smem<Element, kGradMTiles, kGradNTiles, kBlockQueries / 16, kRowsAreMN, ScoreRows, kRowsAreK, Rows>(
         acc_dk, dst_lane_addr, q_as_b_addr + stage_offset);
 
     // ---- Phase 3: dQ (kBlockQueries x kHeadDim) += dS·K, added to the fp32 buffer with atomics, a
@@ -359,8 +359,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
     if (fused_dq) {
       constexpr int kChunkCols = Tile::kDqChunkCols;
       constexpr int kTileCols = DqAccumLayout::kTileCols;
-      const uint32_t ds_lane_addr = a_transposed_lane_address<kDsPitch>(smem_dst + dq_first_row);  // A: dS = (dSᵀ)ᵀ
-      const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k + dq_first_col);           // B: K
+      const uint32_t ds_lane_addr = a_transposed_lane_address<ScoreRows>(smem_address(smem_dst), 0, dq_first_row);  // A: dS = (dSᵀ)ᵀ
+      const uint32_t k_as_b_addr = b_rows_k_lane_address<Rows>(smem_address(smem_k), 0, dq_first_col);             // B: K
       const DqAccumLayout dq_layout{params.heads_q, kHeadDim};
       const int64_t sequence_begin =
           params.is_varlen() ? params.query_span(batch).begin : static_cast<int64_t>(batch) * params.seqlen_q;
@@ -370,8 +370,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
 #pragma unroll
       for (int chunk = 0; chunk < Tile::kDqCols / kChunkCols; ++chunk) {
         float acc_dq[kDqMTiles][kChunkCols / 8][4] = {};
-        gemm_smem<Element, kDqMTiles, kChunkCols / 8, kBlockKeys / 16, kRowsAreK, kDsPitch, kRowsAreK, kPitch>(
-            acc_dq, ds_lane_addr, k_as_b_addr + chunk * kChunkCols * sizeof(Element));
+        gemm_smem<Element, kDqMTiles, kChunkCols / 8, kBlockKeys / 16, kRowsAreK, ScoreRows, kRowsAreK, Rows>(
+            acc_dq, ds_lane_addr, Rows::move(k_as_b_addr, 0, chunk * kChunkCols));
 #pragma unroll
         for (int mi = 0; mi < kDqMTiles; ++mi) {
 #pragma unroll
@@ -459,19 +459,19 @@ template <typename Tile, typename Element, bool kExtras>
 __global__ void __launch_bounds__(Tile::kThreads)
     attention_bwd_dq_kernel(const __grid_constant__ BwdParams params, const int num_stages) {
   constexpr int kHeadDim = Tile::kHeadDim;
-  constexpr int kPitch = Tile::kSmemRowPitch;
+  using Rows = typename Tile::Rows;
   constexpr int kBlockKeys = Tile::kBlockKeys;
   constexpr int kBlockQueries = Tile::kBlockQueries;
   constexpr int kNTilesK = kBlockKeys / 8;  // score-tile columns are keys here
   constexpr int kNTilesD = kHeadDim / 8;
 
-  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  extern __shared__ __align__(128) unsigned char smem_bytes[];  // 128: the swizzled layout XORs address bits
   Element* smem_q = reinterpret_cast<Element*>(smem_bytes);
-  Element* smem_dout = smem_q + kBlockQueries * kPitch;
+  Element* smem_dout = smem_q + kBlockQueries * Rows::kRowElements;
   // num_stages buffers of (K, V).
-  constexpr int kKvStageElements = 2 * kBlockKeys * kPitch;
-  Element* smem_k = smem_dout + kBlockQueries * kPitch;  // stage s: + s * kKvStageElements
-  Element* smem_v = smem_k + kBlockKeys * kPitch;
+  constexpr int kKvStageElements = 2 * kBlockKeys * Rows::kRowElements;
+  Element* smem_k = smem_dout + kBlockQueries * Rows::kRowElements;  // stage s: + s * kKvStageElements
+  Element* smem_v = smem_k + kBlockKeys * Rows::kRowElements;
 
   const int query_block = blockIdx.x;
   const int head = blockIdx.y;
@@ -518,11 +518,11 @@ __global__ void __launch_bounds__(Tile::kThreads)
   const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
 
   float acc_dq[1][kNTilesD][4] = {};
-  const uint32_t q_lane_addr = a_lane_address<kPitch>(smem_q + warp * 16 * kPitch);        // A of S = Q·Kᵀ
-  const uint32_t dout_lane_addr = a_lane_address<kPitch>(smem_dout + warp * 16 * kPitch);  // A of dP = dO·Vᵀ
-  const uint32_t k_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_k);
-  const uint32_t v_as_bt_addr = b_rows_n_lane_address<kPitch>(smem_v);
-  const uint32_t k_as_b_addr = b_rows_k_lane_address<kPitch>(smem_k);  // B of dQ += dS·K
+  const uint32_t q_lane_addr = a_lane_address<Rows>(smem_address(smem_q), warp * 16, 0);        // A of S = Q·Kᵀ
+  const uint32_t dout_lane_addr = a_lane_address<Rows>(smem_address(smem_dout), warp * 16, 0);  // A of dP = dO·Vᵀ
+  const uint32_t k_as_bt_addr = b_rows_n_lane_address<Rows>(smem_address(smem_k), 0, 0);
+  const uint32_t v_as_bt_addr = b_rows_n_lane_address<Rows>(smem_address(smem_v), 0, 0);
+  const uint32_t k_as_b_addr = b_rows_k_lane_address<Rows>(smem_address(smem_k), 0, 0);  // B of dQ += dS·K
 
   // Starts the copies of one key block's K and V into buffer `stage`, as one group.
   auto load_key_block = [&](int key_block, int stage) {
@@ -551,11 +551,11 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const uint32_t stage_offset = stage * kKvStageElements * sizeof(Element);
 
     float acc_s[1][kNTilesK][4] = {};
-    gemm_smem<Element, 1, kNTilesK, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(acc_s, q_lane_addr,
-                                                                                           k_as_bt_addr + stage_offset);
+    gemm_smem<Element, 1, kNTilesK, kHeadDim / 16, kRowsAreMN, Rows, kRowsAreMN, Rows>(acc_s, q_lane_addr,
+                                                                                       k_as_bt_addr + stage_offset);
     float acc_ds[1][kNTilesK][4] = {};  // dP, then dS in place
-    gemm_smem<Element, 1, kNTilesK, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(acc_ds, dout_lane_addr,
-                                                                                           v_as_bt_addr + stage_offset);
+    gemm_smem<Element, 1, kNTilesK, kHeadDim / 16, kRowsAreMN, Rows, kRowsAreMN, Rows>(acc_ds, dout_lane_addr,
+                                                                                       v_as_bt_addr + stage_offset);
     const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
     // Dropout keep bits: bit 2 * kNTilesK * half + 2 * nj + e for (row of `half`, key nj * 8 + 2 * (lane % 4) + e).
     uint32_t keep_bits = ~0u;
@@ -606,7 +606,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
     }
     uint32_t ds_frag[1][kBlockKeys / 16][4];
     accumulator_to_a_fragments<Element>(acc_ds, ds_frag);
-    gemm_rs_ab<Element, 1, kNTilesD, kBlockKeys / 16, kPitch>(acc_dq, ds_frag, k_as_b_addr + stage_offset);
+    gemm_rs_ab<Element, 1, kNTilesD, kBlockKeys / 16, Rows>(acc_dq, ds_frag, k_as_b_addr + stage_offset);
 
     if (num_stages == 1 && has_next) {
       __syncthreads();  // every warp is done with this block's K and V

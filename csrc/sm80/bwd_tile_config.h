@@ -1,6 +1,8 @@
 // Tile sizes of the sm80 backward kernels.
 #pragma once
 
+#include "../common/smem_rows.cuh"
+
 namespace flash_ext::sm80 {
 
 // dK/dV kernel: a CTA of 8 warps owns kBlockKeys keys and walks the query blocks of
@@ -33,8 +35,8 @@ struct BwdDkDvTile {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockKeys = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kBlockQueries = kHeadDim <= 64 && !kExtras ? 128 : 64;
-  static constexpr int kSmemRowPitch = kHeadDim + 8;     // elements; padding as FwdTile's
-  static constexpr int kDsRowPitch = kBlockQueries + 8;  // Pᵀ and dSᵀ tiles (keys x queries), same padding rule
+  using Rows = HeadDimRows<kHeadDim>;         // shared layout of the K, V, Q and dO tiles (smem_rows.cuh)
+  using ScoreRows = PaddedRows<kBlockQueries>;  // Pᵀ and dSᵀ tiles (keys x queries), written by st.shared
   // Column warps of a warp grid over (rows x kHeadDim) whose warps own 32 rows; halved (16-row warps)
   // where a warp's column count would not be a multiple of 16 (two n-tiles per B load).
   static constexpr int col_warps(int rows) {
@@ -64,8 +66,8 @@ struct BwdDkDvTile {
 
   // K and V, the 16-bit Pᵀ and dSᵀ, then per stage a Q and a dO tile and the block's lse and D.
   static constexpr int smem_bytes(int stages) {
-    return (2 * kBlockKeys * kSmemRowPitch + 2 * kBlockKeys * kDsRowPitch) * 2 +
-           stages * (2 * kBlockQueries * kSmemRowPitch * 2 + 2 * kBlockQueries * 4);
+    return 2 * kBlockKeys * (Rows::kRowBytes + ScoreRows::kRowBytes) +
+           stages * (2 * kBlockQueries * Rows::kRowBytes + 2 * kBlockQueries * 4);
   }
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dims are multiples of 32 up to 256");
@@ -89,10 +91,10 @@ struct BwdDqTile {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockQueries = 16 * kWarps;
   static constexpr int kBlockKeys = kHeadDim <= 128 ? 64 : 32;
-  static constexpr int kSmemRowPitch = kHeadDim + 8;
+  using Rows = HeadDimRows<kHeadDim>;  // shared layout of the Q, dO, K and V tiles (smem_rows.cuh)
   // Q and dO tiles, and per stage a K and a V tile.
   static constexpr int smem_bytes(int stages) {
-    return (2 * kBlockQueries + stages * 2 * kBlockKeys) * kSmemRowPitch * 2;
+    return (2 * kBlockQueries + stages * 2 * kBlockKeys) * Rows::kRowBytes;
   }
   static_assert(smem_bytes(1) <= 163 * 1024, "the dQ tiles fit an A100 (163 KB per block)");
 };

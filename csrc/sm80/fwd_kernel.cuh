@@ -114,15 +114,15 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   constexpr int kBlockM = Config::kBlockM;
   constexpr int kBlockN = Config::kBlockN;
   constexpr int kMTiles = Config::kMTiles;
-  constexpr int kPitch = Config::kSmemRowPitch;
+  using Rows = typename Config::Rows;
   constexpr int kNTilesS = kBlockN / 8;   // mma n-tiles across one score block
   constexpr int kNTilesO = kHeadDim / 8;  // mma n-tiles across the output's head dim
   constexpr int kChunksPerRow = kHeadDim * sizeof(Element) / 16;
 
-  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  extern __shared__ __align__(128) unsigned char smem_bytes[];  // 128: the swizzled layout XORs address bits
   Element* smem_q = reinterpret_cast<Element*>(smem_bytes);
-  Element* smem_k = smem_q + kBlockM * kPitch;
-  Element* smem_v = smem_k + kBlockN * kPitch;
+  Element* smem_k = smem_q + kBlockM * Rows::kRowElements;
+  Element* smem_v = smem_k + kBlockN * Rows::kRowElements;
 
   // Heaviest query blocks (causal: the last ones) are launched first for a better tail.
   // The Philox seed and offset of this call (possibly known only on the device), published once
@@ -217,9 +217,9 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   float acc_o[kMTiles][kNTilesO][4] = {};
   OnlineSoftmax<kMTiles> softmax;
 
-  const uint32_t q_lane_addr = a_lane_address<kPitch>(smem_q + warp_first_row * kPitch);
-  const uint32_t k_lane_addr = b_rows_n_lane_address<kPitch>(smem_k);
-  const uint32_t v_lane_addr = b_rows_k_lane_address<kPitch>(smem_v);
+  const uint32_t q_lane_addr = a_lane_address<Rows>(smem_address(smem_q), warp_first_row, 0);
+  const uint32_t k_lane_addr = b_rows_n_lane_address<Rows>(smem_address(smem_k), 0, 0);
+  const uint32_t v_lane_addr = b_rows_k_lane_address<Rows>(smem_address(smem_v), 0, 0);
 
   // Softcap / ALiBi constants, formed once (a slope load and two divisions), not per key block.
   const ScoreMod mod(params, batch, head, len_q, len_k);  // unused (and optimised away) without kExtras
@@ -249,8 +249,8 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
 
     // S = Q · Kᵀ for this warp's rows.
     float acc_s[kMTiles][kNTilesS][4] = {};
-    gemm_smem<Element, kMTiles, kNTilesS, kHeadDim / 16, kRowsAreMN, kPitch, kRowsAreMN, kPitch>(acc_s, q_lane_addr,
-                                                                                                 k_lane_addr);
+    gemm_smem<Element, kMTiles, kNTilesS, kHeadDim / 16, kRowsAreMN, Rows, kRowsAreMN, Rows>(acc_s, q_lane_addr,
+                                                                                             k_lane_addr);
     if constexpr (kEarlyNextK) wait_v_then_load_next_k();
 
     if constexpr (kExtras) {
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     if constexpr (!kEarlyNextK) wait_v_then_load_next_k();
 
     // O += P · V.
-    gemm_rs_ab<Element, kMTiles, kNTilesO, kBlockN / 16, kPitch>(acc_o, p_frag, v_lane_addr);
+    gemm_rs_ab<Element, kMTiles, kNTilesO, kBlockN / 16, Rows>(acc_o, p_frag, v_lane_addr);
   };
 
   using True = std::true_type;
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
 
   // Epilogue: the warp writes its rows of O (16-bit) into its own rows of the Q tile (no other
   // warp reads them), then the CTA copies the tile out in 16-byte rows.
-  Element* smem_o = smem_q;
+  unsigned char* smem_o = smem_bytes;  // the Q tile, in its layout
   Element* out = out_block();
   float* lse = lse_block();
 #pragma unroll
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
       const int row = warp_first_row + mi * 16 + lane / 4 + 8 * half;
 #pragma unroll
       for (int nd = 0; nd < kNTilesO; ++nd) {
-        *reinterpret_cast<uint32_t*>(smem_o + row * kPitch + nd * 8 + 2 * (lane % 4)) =
+        *reinterpret_cast<uint32_t*>(smem_o + Rows::offset(row, nd * 8 + 2 * (lane % 4))) =
             pack_float2<Element>(acc_o[mi][nd][2 * half], acc_o[mi][nd][2 * half + 1]);
       }
       if (lane % 4 == 0 && row < valid_rows) lse[row] = row_lse[2 * mi + half];
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     const int col = chunk_id % kChunksPerRow * (16 / sizeof(Element));
     if (row < valid_rows) {
       *reinterpret_cast<uint4*>(out + row * params.out_strides.row + col) =
-          *reinterpret_cast<const uint4*>(smem_o + row * kPitch + col);
+          *reinterpret_cast<const uint4*>(smem_o + Rows::offset(row, col));
     }
   }
 }

@@ -4,6 +4,8 @@
 
 #include <type_traits>
 
+#include "../common/smem_rows.cuh"
+
 namespace flash_ext::sm80 {
 
 // kBlockM query rows per CTA, kBlockN keys per inner-loop step, kWarps warps; each warp owns
@@ -21,11 +23,8 @@ struct FwdTile {
   static constexpr int kRowsPerWarp = kBlockM / kWarps;
   static constexpr int kMTiles = kRowsPerWarp / 16;
 
-  // Shared-memory rows are padded by 16 bytes: the 8 row addresses of one ldmatrix then fall
-  // in 8 different bank groups (the row pitch is an odd number of 16-byte units), which
-  // makes every ldmatrix and cp.async conflict-free without a swizzle.
-  static constexpr int kSmemRowPitch = kHeadDim + 8;  // elements
-  static constexpr int kSmemElements = (kBlockM + 2 * kBlockN) * kSmemRowPitch;  // Q, K, V tiles
+  using Rows = HeadDimRows<kHeadDim>;  // shared layout of the Q, K, V tiles (smem_rows.cuh)
+  static constexpr int kSmemElements = (kBlockM + 2 * kBlockN) * Rows::kRowElements;  // Q, K, V tiles
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dims are multiples of 32 up to 256");
   static_assert(kBlockM % (16 * kWarps) == 0, "a warp owns whole 16-row mma blocks");
