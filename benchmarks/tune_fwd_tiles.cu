@@ -48,9 +48,9 @@ float time_tile(const Problem& prob, Element* q, Element* k, Element* v, Element
   p.dtype = DType::kBFloat16;
   p.softmax_scale = 1.f / sqrtf(float(prob.head_dim));
   p.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  p.causal = prob.causal;
+  p.window_right = prob.causal ? 0 : FwdParams::kUnbounded;  // causal = window (unbounded, 0)
 
-  const auto kernel = sm80::attention_fwd_kernel<Tile, Element>;
+  const auto kernel = sm80::attention_fwd_kernel<Tile, Element, false>;  // plain attention (no softcap / ALiBi / dropout)
   const size_t smem = Tile::kSmemElements * sizeof(Element);
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid((seqlen + Tile::kBlockM - 1) / Tile::kBlockM, heads, batch);
