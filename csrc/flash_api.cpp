@@ -691,16 +691,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     return result();
   }
   // Scratch, O(seqlen): D = rowsum(dout * out) per query row (fp32, lse's layout), and unless
-  // deterministic the fp32 dQ accumulator that the dK/dV kernel adds into with atomics (q's rows, up to
-  // 8 rows of padding per sequence, heads and head dim; tiled as common/dq_accum_layout.h says); the
-  // preprocess kernel zeroes it.
+  // deterministic the fp32 dQ accumulator that the dK/dV kernel adds into with atomics (per head: q's
+  // rows, up to 8 rows of padding per sequence and 128 after the last, times head dim; tiled as
+  // common/dq_accum_layout.h says); the preprocess kernel zeroes the rows that are read back.
   at::Tensor softmax_d = at::empty(lse_c.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dq_accum;
+  int64_t dq_accum_rows = 0;
   if (!deterministic) {
     const int64_t query_rows = varlen.is_varlen() ? q.size(0) : q.size(0) * q.size(1);
     const int64_t sequences = varlen.is_varlen() ? varlen.cu_seqlens_q->size(0) - 1 : q.size(0);
-    dq_accum = at::empty({DqAccumLayout::rows(query_rows, sequences), q.size(-2), q.size(-1)},
-                         q.options().dtype(at::kFloat));
+    dq_accum_rows = DqAccumLayout::rows_for(query_rows, sequences);
+    dq_accum = at::empty({q.size(-2), dq_accum_rows, q.size(-1)}, q.options().dtype(at::kFloat));
   }
 
   const FwdParams fwd = varlen.is_varlen()
@@ -711,7 +712,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
   set_options(p, options, alibi_slopes, RngState{});
   p.head_dim = static_cast<int>(head_dim_padded);
   p.softmax_d = softmax_d.data_ptr<float>();
-  if (!deterministic) p.dq_accum = dq_accum.data_ptr<float>();
+  if (!deterministic) {
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dq_accum_rows = dq_accum_rows;
+  }
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return result();
   at::Tensor rng_state_on_device;
   if (options.dropout_p > 0) set_cuda_dropout_state_from(p, rng_state, q, rng_state_on_device);

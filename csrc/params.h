@@ -166,6 +166,7 @@ struct BwdParams : FwdParams {
   // common/dq_accum_layout.h), then scaled and rounded into dq.
   // nullptr: dQ by a separate atomic-free pass.
   float* dq_accum = nullptr;
+  int64_t dq_accum_rows = 0;  // its rows per head (DqAccumLayout::rows_for)
   bool deterministic = false;
 };
 

@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(256)
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
   if (lane == 0) params.softmax_d[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = sum;
   if (params.dq_accum != nullptr) {
-    const DqAccumLayout layout{params.heads_q, kHeadDim};
+    const DqAccumLayout layout{params.dq_accum_rows, kHeadDim};
     const int64_t accum_row = dq_accum_row(params, batch, row);
     float* accum = params.dq_accum + DqAccumLayout::row_in_tile(accum_row);
     for (int chunk = lane; chunk < kHeadDim / 4; chunk += 32) {  // 4 floats each, 4 chunks per tile row
@@ -361,11 +361,14 @@ __global__ void __launch_bounds__(Tile::kThreads)
       constexpr int kTileCols = DqAccumLayout::kTileCols;
       const uint32_t ds_lane_addr = a_transposed_lane_address<ScoreRows>(smem_address(smem_dst), 0, dq_first_row);  // A: dS = (dSᵀ)ᵀ
       const uint32_t k_as_b_addr = b_rows_k_lane_address<Rows>(smem_address(smem_k), 0, dq_first_col);             // B: K
-      const DqAccumLayout dq_layout{params.heads_q, kHeadDim};
+      const DqAccumLayout dq_layout{params.dq_accum_rows, kHeadDim};
+      constexpr int kRowGroupStride = DqAccumLayout::row_group_stride(kHeadDim);
+      static_assert(kBlockQueries <= DqAccumLayout::kOverhangRows, "blocks past the last sequence stay in the buffer");
       const int64_t sequence_begin =
           params.is_varlen() ? params.query_span(batch).begin : static_cast<int64_t>(batch) * params.seqlen_q;
       const int64_t accum_row = DqAccumLayout::first_row(sequence_begin, batch) + first_query + dq_first_row;
-      // This lane's 4 floats of the warp's first tile (rows dq_first_row .. + 7, columns dq_first_col .. + 15).
+      // This lane's 4 floats of the warp's first tile (rows dq_first_row .. + 7, columns dq_first_col .. + 15);
+      // every other tile of the warp is a compile-time offset from it.
       float* dq_accum_lane = params.dq_accum + dq_layout.tile_offset(accum_row, head, dq_first_col) + 4 * lane;
 #pragma unroll
       for (int chunk = 0; chunk < Tile::kDqCols / kChunkCols; ++chunk) {
@@ -376,12 +379,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
         for (int mi = 0; mi < kDqMTiles; ++mi) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            // Whole 8-row tiles past the block's valid queries are skipped (a uniform branch); the
-            // rows past a sequence's end within a tile are the buffer's padding (their dS is 0).
-            if (dq_first_row + 16 * mi + 8 * half >= valid_queries) continue;
+            // Rows past the sequence's end (dS = 0) are added too: DqAccumLayout says where they land.
 #pragma unroll
             for (int pair = 0; pair < kChunkCols / kTileCols; ++pair) {
-              atomic_add_float4(dq_accum_lane + (2 * mi + half) * dq_layout.row_group_stride() +
+              atomic_add_float4(dq_accum_lane + (2 * mi + half) * kRowGroupStride +
                                     (chunk * kChunkCols / kTileCols + pair) * DqAccumLayout::kTileFloats,
                                 acc_dq[mi][2 * pair][2 * half], acc_dq[mi][2 * pair][2 * half + 1],
                                 acc_dq[mi][2 * pair + 1][2 * half], acc_dq[mi][2 * pair + 1][2 * half + 1]);
@@ -437,7 +438,7 @@ __global__ void __launch_bounds__(256)
   const int head = row_id % params.heads_q;
   const int64_t row = row_id / params.heads_q % rows_per_batch;
   const int64_t batch = row_id / params.heads_q / rows_per_batch;
-  const DqAccumLayout layout{params.heads_q, kHeadDim};
+  const DqAccumLayout layout{params.dq_accum_rows, kHeadDim};
   const int64_t accum_row = dq_accum_row(params, batch, row);
   const float4* src = reinterpret_cast<const float4*>(params.dq_accum + layout.tile_offset(accum_row, head, col) +
                                                       DqAccumLayout::row_in_tile(accum_row));
