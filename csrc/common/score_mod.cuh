@@ -41,10 +41,17 @@ struct ScoreMod {
   __device__ __forceinline__ float raw_score(float raw, float row_on_diagonal, float key, float& tanh_value) const {
     float s = raw;
     tanh_value = 0.f;
-    if (cap_raw != 0.f) {
-      tanh_value = fast_tanh(raw * scale_over_cap);
-      s = cap_raw * tanh_value;
-    }
+    if (has_softcap()) s = softcapped(raw, tanh_value);
+    return with_alibi(s, row_on_diagonal, key);
+  }
+  // The two steps of raw_score, for kernels that run each as its own pass (fwd_kernel.cuh).
+  __device__ __forceinline__ bool has_softcap() const { return cap_raw != 0.f; }
+  __device__ __forceinline__ bool has_alibi() const { return slope_raw != 0.f; }
+  __device__ __forceinline__ float softcapped(float raw, float& tanh_value) const {
+    tanh_value = fast_tanh(raw * scale_over_cap);
+    return cap_raw * tanh_value;
+  }
+  __device__ __forceinline__ float with_alibi(float s, float row_on_diagonal, float key) const {
     return fmaf(-slope_raw, fabsf(row_on_diagonal - key), s);
   }
   // Whether softcap or ALiBi is on (the kernels' kExtras variant also runs dropout-only calls).
