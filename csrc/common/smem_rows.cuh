@@ -13,8 +13,9 @@
 //   The padded layout stays for the other head dims (rows not a power-of-two number of lines) and
 //   for tiles no cp.async writes (the backward's Pᵀ and dSᵀ).
 //
-// Lane addresses: lane_address(tile, row, col) with col a multiple of 8; move(address, rows, cols)
-// then adds whole 8-row groups (rows % 8 == 0) and 16-column steps (cols % 16 == 0). In the swizzled
+// Lane addresses: tile + offset(row, col) with col a multiple of 8 (warp_gemm.cuh's *_lane_address);
+// move(address, rows, cols) then adds whole 8-row groups (rows % 8 == 0) and 16-column steps
+// (cols % 16 == 0). In the swizzled
 // layout a move is an XOR on the chunk bits, which equals the add it stands for only if the lane's
 // own chunk (col / 8) and cols / 8 share no set bit among their low three bits. The kernels make lane
 // addresses at column W + 8h (h = 0 or 1, W a multiple of the warp's column extent, a power of two
@@ -59,10 +60,10 @@ struct SwizzledRows {
     const int stored_chunk = (chunk & ~7) | ((chunk ^ row) & 7);
     return static_cast<uint32_t>(row * kRowBytes + stored_chunk * 16 + (col % 8) * 2);
   }
-  // One move; an XOR where the column move is not a whole number of lines. The XOR is an asm volatile:
-  // ptxas then does it where the move is written (once per k-step in the GEMMs, warp_gemm.cuh) instead
-  // of keeping XORed copies of every lane address live across the main loop, which made the forward
-  // at head_dim 64 / 128 and the dK/dV kernel at 128 spill.
+  // One move; an XOR where the column move is not a whole number of lines. The XOR is an asm volatile,
+  // so it stays where the move is written (once per k-step in the GEMMs, warp_gemm.cuh) rather than
+  // XORed copies of every lane address being hoisted and kept live across the main loop. (With a plain
+  // `^` ptxas reported the same spills for the shipped kernels; the kernels were measured in this form.)
   __device__ __forceinline__ static uint32_t move(uint32_t address, int rows, int cols) {
     const int chunks = cols / 8;
     return xor_chunks(address, chunks & 7) + static_cast<uint32_t>((chunks & ~7) * 16 + rows * kRowBytes);
