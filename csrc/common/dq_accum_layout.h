@@ -34,7 +34,7 @@ struct DqAccumLayout {
   static constexpr int kTileFloats = kTileRows * kTileCols;
   static constexpr int kOverhangRows = 128;  // >= the dK/dV kernel's query block (BwdDkDvTile::kBlockQueries)
 
-  int64_t rows;  // per head, as allocated: rows(total, batch)
+  int64_t rows;  // per head, as allocated: rows_for(total, batch)
   int head_dim;  // a multiple of kTileCols
 
   // Rows per head to allocate for `total_rows` query rows in `batch` sequences: first_row's padding,
