@@ -3,9 +3,10 @@
 # git worktree under .exp/ (e.g. `git worktree add .exp/dq-before-dk next/bwd-dq-before-dk`, with
 # `/.exp/` in .git/info/exclude and `.exp` in the device run's carry). Each is built in place for the
 # local GPU and benchmarked with the same bench_attention.py arguments; with --tests, its CUDA tests run
-# too. One file per version comes back: $OUT/<name>.txt (build status, ptxas summary, test line, table).
+# too; with --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
+# table. One file per version comes back: $OUT/<name>.txt (build status, ptxas summary, test line, tables).
 #
-#   bash scripts/compare_variants.sh [--tests] [-- BENCH ARGS]
+#   bash scripts/compare_variants.sh [--tests] [--features] [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
 # At most 7 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16).
@@ -16,10 +17,12 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TESTS=0
+FEATURES=0
 BENCH_ARGS=(--head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash)
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS=1 ;;
+    --features) FEATURES=1 ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "compare_variants.sh: unknown argument $1" >&2; exit 64 ;;
   esac
@@ -45,6 +48,9 @@ measure() {  # name dir
     fi
     PYTHONPATH="$PWD" timeout 300 "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" 2>&1 |
       grep -E "^(op |-{8}|fwd |bwd |fwd_bwd |TFLOP)"
+    if [ "$FEATURES" = 1 ]; then
+      PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/bench_features.py 2>&1 | grep -vE "^\s*$"
+    fi
   ) 2>&1 | tee -a "$report"
 }
 
