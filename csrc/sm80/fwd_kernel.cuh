@@ -136,6 +136,9 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   constexpr int kNTilesS = kBlockN / 8;   // mma n-tiles across one score block
   constexpr int kNTilesO = kHeadDim / 8;  // mma n-tiles across the output's head dim
   constexpr int kChunksPerRow = kHeadDim * sizeof(Element) / 16;
+  // K / V copies of whole tiles by tile_copy.cuh's unrolled path: ptxas spills less with it at head_dim
+  // 128 (plain 8 / 48 -> 4 / 4 B, extras 16 / 16 -> 12 / 12) and not at 256; at 64 it spilled 48 / 36 B.
+  constexpr bool kWholeKvTiles = kHeadDim >= 128;
 
   extern __shared__ __align__(128) unsigned char smem_bytes[];  // 128: the swizzled layout XORs address bits
   Element* smem_q = reinterpret_cast<Element*>(smem_bytes);
@@ -229,7 +232,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   load_tile_async<Config, kBlockM>(smem_q, q, params.q_strides.row, valid_rows);
   int key_block = scheduled_block(0);
   int next_key_block = scheduled_block(1);
-  load_tile_async<Config, kBlockN>(smem_k, k_tile(key_block), params.k_strides.row, len_k - key_block * kBlockN);
+  load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_k, k_tile(key_block), params.k_strides.row, len_k - key_block * kBlockN);
   cp_async_commit();
 
   float acc_o[kMTiles][kNTilesO][4] = {};
@@ -252,7 +255,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     cp_async_wait<0>();
     __syncthreads();
     if (next_key_block >= 0) {
-      load_tile_async<Config, kBlockN>(smem_k, k_tile(next_key_block), params.k_strides.row,
+      load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_k, k_tile(next_key_block), params.k_strides.row,
                                        len_k - next_key_block * kBlockN);
     }
     cp_async_commit();
@@ -262,7 +265,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
     cp_async_wait<0>();
     __syncthreads();
-    load_tile_async<Config, kBlockN>(smem_v, v_tile(key_block), params.v_strides.row, len_k - key_block * kBlockN);
+    load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_v, v_tile(key_block), params.v_strides.row, len_k - key_block * kBlockN);
     cp_async_commit();
 
     // S = Q · Kᵀ for this warp's rows.
