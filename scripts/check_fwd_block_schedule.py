@@ -1,5 +1,6 @@
 """Exhaustive check, in Python, of the forward kernel's key-block schedule (csrc/sm80/fwd_kernel.cuh): every
-block of the band visited once, unmasked blocks fully visible to every row, prefetch order consistent.
+block of the band visited once, unmasked blocks fully visible to every row, prefetch order consistent, and
+a warp that skips a masked block (BandMask::misses) sees none of its keys.
 Mirrors the kernel's arithmetic; run it after changing the schedule: python3 scripts/check_fwd_block_schedule.py"""
 import itertools
 UNB = 1 << 40
@@ -8,7 +9,12 @@ def band(len_q, len_k, left, right):
     def begin(row): return max(0, min(len_k, row + off - L))
     def end(row): return max(0, min(len_k, row + off + R + 1))
     return begin, end
-def check(len_q, len_k, left, right, M, N):
+def misses(len_q, len_k, left, right, first_row, last_row, first_key, last_key):
+    """BandMask::misses, with int32 caps as in the kernel."""
+    off = len_k - len_q
+    left32 = min(UNB if left == -1 else left, 1 << 30); right32 = min(UNB if right == -1 else right, 1 << 30)
+    return first_key - last_row - off > right32 or last_key - first_row - off < -left32
+def check(len_q, len_k, left, right, M, N, rows_per_warp=32):
     begin, end = band(len_q, len_k, left, right)
     for first_row in range(0, len_q, M):
         valid_rows = min(M, len_q - first_row)
@@ -27,7 +33,7 @@ def check(len_q, len_k, left, right, M, N):
         n_blocks = num_key_blocks - first_key_block
         def sched(i):
             if i >= n_blocks: return -1
-            if i < n_right: return num_key_blocks - 1 - i
+            if i < n_right: return hi + i
             if i < n_masked: return lo - 1 - (i - n_right)
             return hi - 1 - (i - n_masked)
         # kernel loop emulation
@@ -46,6 +52,11 @@ def check(len_q, len_k, left, right, M, N):
             if not masked:  # every row of the block sees every key of the block
                 for r in range(first_row, first_row + valid_rows):
                     assert begin(r) <= kb * N and (kb + 1) * N <= end(r), (len_q, len_k, left, right, first_row, kb)
+            else:  # a warp skipping the block sees none of its keys
+                for w in range(0, M, rows_per_warp):
+                    if misses(len_q, len_k, left, right, first_row + w, first_row + w + rows_per_warp - 1, kb * N, kb * N + N - 1):
+                        for r in range(first_row + w, min(first_row + w + rows_per_warp, first_row + valid_rows)):
+                            assert not (begin(r) < min(end(r), (kb + 1) * N) and end(r) > max(begin(r), kb * N)), (len_q, len_k, left, right, r, kb)
         # every visible key lies in a visited block
         for r in range(first_row, first_row + valid_rows):
             if end(r) > begin(r):
@@ -53,6 +64,6 @@ def check(len_q, len_k, left, right, M, N):
 n = 0
 for len_q, len_k in itertools.product([1, 17, 64, 127, 128, 129, 200, 300], [1, 17, 63, 64, 65, 200, 257, 300]):
     for left, right in itertools.product([-1, 0, 1, 63, 64, 65, 127, 200], [-1, 0, 1, 63, 64, 65, 130]):
-        for M, N in ((128, 64), (64, 64)):
-            check(len_q, len_k, left, right, M, N); n += 1
+        for M, N, rows_per_warp in ((128, 64, 32), (64, 64, 16)):
+            check(len_q, len_k, left, right, M, N, rows_per_warp); n += 1
 print("ok", n, "configurations")

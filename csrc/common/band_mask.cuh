@@ -40,6 +40,12 @@ struct BandMask {
     const int distance = key - row - diagonal_offset;  // > 0: right of the diagonal
     return key < len_k && distance <= right32 && distance >= -left32;
   }
+  // Whether no row of [first_row, last_row] sees a key of [first_key, last_key] (keys past len_k
+  // count as seen: callers test whole tiles, conservatively). The distances to the diagonal over the
+  // rectangle run from first_key - last_row to last_key - first_row; int32 as in sees().
+  __device__ __forceinline__ bool misses(int first_row, int last_row, int first_key, int last_key) const {
+    return first_key - last_row - diagonal_offset > right32 || last_key - first_row - diagonal_offset < -left32;
+  }
   // The rows that see `key` (none when key >= len_k): row i sees it iff
   // i + diagonal_offset - left <= key <= i + diagonal_offset + right. Not clamped to [0, len_q).
   __device__ __forceinline__ IndexRange queries_seeing_key(int key) const {

@@ -212,10 +212,11 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   // its keys: it must end within the first row's band end (which is within the keys) and start at or
   // after the last row's band start. The unmasked blocks are therefore one run [lo_unmasked,
   // hi_unmasked); the masked ones are the right edge above it (the ragged end, the diagonal) and the
-  // left edge below it (a window's start). The masked blocks go first, right edge from the top down,
-  // then left edge from its top down; then the unmasked run from the top down. The softmax does not
-  // depend on the order, and one masked and one unmasked loop keep the kernel at four copies of the
-  // block body: a fifth (a separate loop for the left edge) cost hd64 64 registers and a CTA per SM.
+  // left edge below it (a window's start). The masked blocks go first, right edge from the bottom up
+  // (its top block, the one some warps skip -- below -- comes after the first), then left edge from
+  // its top down; then the unmasked run from the top down. The softmax does not depend on the order,
+  // and one masked and one unmasked loop keep the kernel at four copies of the block body: a fifth (a
+  // separate loop for the left edge) cost hd64 64 registers and a CTA per SM.
   const int last_row = first_row + valid_rows - 1;
   const int hi_unmasked = max(first_key_block, min(num_key_blocks, band.end(first_row) / kBlockN));
   const int lo_unmasked = min(hi_unmasked, max(first_key_block, (band.begin(last_row) + kBlockN - 1) / kBlockN));
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   const int num_blocks = num_key_blocks - first_key_block;
   auto scheduled_block = [&](int i) {  // the i-th block visited; -1 past the end
     if (i >= num_blocks) return -1;
-    if (i < num_right_masked) return num_key_blocks - 1 - i;
+    if (i < num_right_masked) return hi_unmasked + i;
     if (i < num_masked) return lo_unmasked - 1 - (i - num_right_masked);
     return hi_unmasked - 1 - (i - num_masked);
   };
@@ -296,6 +297,26 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     gemm_rs_ab<Element, kMTiles, kNTilesO, kBlockN / 16, Rows>(acc_o, p_frag, v_lane_addr);
   };
 
+  // A masked block may lie wholly outside this warp's rows' bands (with 32-row warps: half the warps
+  // at the diagonal block above the block's middle row, and at a window's left edge). The warp then
+  // skips its math and keeps only its share of the copies and the barriers. The softmax needs no
+  // first-block call: its state starts at max -inf, sum 0, and a later block's update is exact from
+  // there. Not in the register-capped kernel (hd64, 3 CTAs per SM) nor in the softcap / ALiBi /
+  // dropout variant: with the branch ptxas spilled 152 B (hd64) and 440 B (hd128 extras) there, while
+  // hd128 plain lost its 8 / 48 B spill (ptxas, CUDA 13.0, sm_90a).
+  constexpr bool kSkipMissedBlocks = !kExtras && Config::kMinCtasPerSm == 1;
+  auto warp_misses_block = [&] {
+    const int warp_row = first_row + warp_first_row;
+    return band.misses(warp_row, warp_row + Config::kRowsPerWarp - 1, key_block * kBlockN, key_block * kBlockN + kBlockN - 1);
+  };
+  auto skip_key_block = [&] {
+    cp_async_wait<0>();
+    __syncthreads();
+    load_tile_async<Config, kBlockN>(smem_v, v_tile(key_block), params.v_strides.row, len_k - key_block * kBlockN);
+    cp_async_commit();
+    wait_v_then_load_next_k();
+  };
+
   using True = std::true_type;
   using False = std::false_type;
   if (num_masked > 0) {
@@ -307,7 +328,11 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   for (; i < num_masked; ++i) {
     key_block = next_key_block;
     next_key_block = scheduled_block(i + 1);
-    process_key_block(False{}, True{});
+    if (kSkipMissedBlocks && warp_misses_block()) {
+      skip_key_block();
+    } else {
+      process_key_block(False{}, True{});
+    }
   }
   for (; i < num_blocks; ++i) {  // the unmasked run, from the top down
     key_block = next_key_block;
