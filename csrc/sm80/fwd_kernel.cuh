@@ -136,9 +136,12 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   constexpr int kNTilesS = kBlockN / 8;   // mma n-tiles across one score block
   constexpr int kNTilesO = kHeadDim / 8;  // mma n-tiles across the output's head dim
   constexpr int kChunksPerRow = kHeadDim * sizeof(Element) / 16;
-  // K / V copies of whole tiles by tile_copy.cuh's unrolled path: ptxas spills less with it at head_dim
-  // 128 (plain 8 / 48 -> 4 / 4 B, extras 16 / 16 -> 12 / 12) and not at 256; at 64 it spilled 48 / 36 B.
-  constexpr bool kWholeKvTiles = kHeadDim >= 128;
+  // K / V copies of whole tiles by tile_copy.cuh's unrolled path: in the softcap / ALiBi / dropout
+  // variant at head_dim 128 only. Measured (H200, bf16, 16k tokens, 8k): softcap 3.52 -> 3.30 ms, ALiBi
+  // flat; plain hd128 (2k / 8k) +0.6 / +0.2%, causal +3.8 / +1.4%, but beside the warp skip below ptxas
+  // spilled 88 / 80 B there, and the skip alone measured as much (and spills nothing); hd256 -2.8 /
+  // -3.3%, causal -1.9 / -3.7%; at hd64 ptxas spilled 48 / 36 B with it.
+  constexpr bool kWholeKvTiles = kHeadDim == 128 && kExtras;
 
   extern __shared__ __align__(128) unsigned char smem_bytes[];  // 128: the swizzled layout XORs address bits
   Element* smem_q = reinterpret_cast<Element*>(smem_bytes);
@@ -301,10 +304,12 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   // at the diagonal block above the block's middle row, and at a window's left edge). The warp then
   // skips its math and keeps only its share of the copies and the barriers. The softmax needs no
   // first-block call: its state starts at max -inf, sum 0, and a later block's update is exact from
-  // there. Not in the register-capped kernel (hd64, 3 CTAs per SM) nor in the softcap / ALiBi /
-  // dropout variant: with the branch ptxas spilled 152 B (hd64) and 440 B (hd128 extras) there, while
-  // hd128 plain lost its 8 / 48 B spill (ptxas, CUDA 13.0, sm_90a).
-  constexpr bool kSkipMissedBlocks = !kExtras && Config::kMinCtasPerSm == 1;
+  // there. Only with 32-row warps (with 16-row warps only a window's left edge has such blocks, and
+  // hd256 measured -1 to -2% with the branch), and not in the register-capped kernel (hd64, 3 CTAs per
+  // SM) nor in the softcap / ALiBi / dropout variant: with the branch ptxas spilled 152 B (hd64) and
+  // 440 B (hd128 extras) there (CUDA 13.0, sm_90a). Measured at hd128 (H200, bf16, 16k tokens, 2k / 8k):
+  // +1.9 / +1.1%, causal +2.3 / +1.5%; window (1024, 0) at 16k 0.473 -> 0.457 ms.
+  constexpr bool kSkipMissedBlocks = !kExtras && Config::kMinCtasPerSm == 1 && Config::kRowsPerWarp == 32;
   auto warp_misses_block = [&] {
     const int warp_row = first_row + warp_first_row;
     return band.misses(warp_row, warp_row + Config::kRowsPerWarp - 1, key_block * kBlockN, key_block * kBlockN + kBlockN - 1);
