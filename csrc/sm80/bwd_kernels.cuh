@@ -163,14 +163,16 @@ __global__ void __launch_bounds__(Tile::kThreads)
     const int first_query = query_block * kBlockQueries;
     const int valid_queries = min(kBlockQueries, len_q - first_query);
     const int64_t packed_row = params.query_span(batch).begin + first_query;  // row in the (packed) tensor
-    load_tile_async<Tile, kBlockQueries, kWholeQueryTiles>(smem_q + stage * kQueryTileElements,
-                                         static_cast<const Element*>(params.q) + batch * params.q_strides.batch +
-                                             head * params.q_strides.head + packed_row * params.q_strides.row,
-                                         params.q_strides.row, valid_queries);
-    load_tile_async<Tile, kBlockQueries, kWholeQueryTiles>(smem_dout + stage * kQueryTileElements,
-                                         static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
-                                             head * params.dout_strides.head + packed_row * params.dout_strides.row,
-                                         params.dout_strides.row, valid_queries);
+    load_tile_async<Tile, kBlockQueries, kWholeQueryTiles>(
+        smem_q + stage * kQueryTileElements,
+        static_cast<const Element*>(params.q) + batch * params.q_strides.batch + head * params.q_strides.head +
+            packed_row * params.q_strides.row,
+        params.q_strides.row, valid_queries);
+    load_tile_async<Tile, kBlockQueries, kWholeQueryTiles>(
+        smem_dout + stage * kQueryTileElements,
+        static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
+            head * params.dout_strides.head + packed_row * params.dout_strides.row,
+        params.dout_strides.row, valid_queries);
     if (threadIdx.x < kBlockQueries) {
       const int i = threadIdx.x;
       const bool valid = i < valid_queries;

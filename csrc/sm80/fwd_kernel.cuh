@@ -236,7 +236,8 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   load_tile_async<Config, kBlockM>(smem_q, q, params.q_strides.row, valid_rows);
   int key_block = scheduled_block(0);
   int next_key_block = scheduled_block(1);
-  load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_k, k_tile(key_block), params.k_strides.row, len_k - key_block * kBlockN);
+  load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_k, k_tile(key_block), params.k_strides.row,
+                                                  len_k - key_block * kBlockN);
   cp_async_commit();
 
   float acc_o[kMTiles][kNTilesO][4] = {};
@@ -260,17 +261,22 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     __syncthreads();
     if (next_key_block >= 0) {
       load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_k, k_tile(next_key_block), params.k_strides.row,
-                                       len_k - next_key_block * kBlockN);
+                                                      len_k - next_key_block * kBlockN);
     }
     cp_async_commit();
   };
 
-  auto process_key_block = [&](auto is_first, auto needs_mask) {
-    // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
+  // K[key_block] (and Q, first time) has landed; every warp is done reading V of the previous step.
+  auto wait_k_then_load_v = [&] {
     cp_async_wait<0>();
     __syncthreads();
-    load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_v, v_tile(key_block), params.v_strides.row, len_k - key_block * kBlockN);
+    load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_v, v_tile(key_block), params.v_strides.row,
+                                                    len_k - key_block * kBlockN);
     cp_async_commit();
+  };
+
+  auto process_key_block = [&](auto is_first, auto needs_mask) {
+    wait_k_then_load_v();
 
     // S = Q · Kᵀ for this warp's rows.
     float acc_s[kMTiles][kNTilesS][4] = {};
@@ -312,13 +318,11 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   constexpr bool kSkipMissedBlocks = !kExtras && Config::kMinCtasPerSm == 1 && Config::kRowsPerWarp == 32;
   auto warp_misses_block = [&] {
     const int warp_row = first_row + warp_first_row;
-    return band.misses(warp_row, warp_row + Config::kRowsPerWarp - 1, key_block * kBlockN, key_block * kBlockN + kBlockN - 1);
+    return band.misses(warp_row, warp_row + Config::kRowsPerWarp - 1, key_block * kBlockN,
+                       key_block * kBlockN + kBlockN - 1);
   };
   auto skip_key_block = [&] {
-    cp_async_wait<0>();
-    __syncthreads();
-    load_tile_async<Config, kBlockN>(smem_v, v_tile(key_block), params.v_strides.row, len_k - key_block * kBlockN);
-    cp_async_commit();
+    wait_k_then_load_v();
     wait_v_then_load_next_k();
   };
 
