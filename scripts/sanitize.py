@@ -18,6 +18,7 @@ cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal
     (2, 17, 200, 2, 1, 128, False),
     (1, 200, 17, 2, 2, 59, True),
     (1, 65, 130, 2, 2, 256, True),
+    (1, 300, 260, 2, 2, 128, True),  # forward warps skip masked key blocks above their rows
 ]
 for batch, sq, sk, hq, hkv, hd, causal in cases:
     q = torch.randn(batch, sq, hq, hd, device="cuda", dtype=torch.bfloat16)
