@@ -9,7 +9,8 @@
 
 namespace flash_ext {
 
-// Config provides kHeadDim, kThreads and Rows (the shared tile layout, smem_rows.cuh).
+// Config provides kHeadDim, kThreads, Rows (the shared tile layout, smem_rows.cuh) and
+// kRereadThreadIndex.
 // Copies `rows` x kHeadDim elements (row r at gmem + r * gmem_row_stride) into a shared tile;
 // rows at or past `valid_rows` are zero-filled.
 //
@@ -37,8 +38,10 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
     constexpr int kSegmentChunks = kChunksPerRow % 8 == 0 ? 8 : kChunksPerRow;
     constexpr int kSegmentsPerRow = kChunksPerRow / kSegmentChunks;
     constexpr int kRowsPerPass = Config::kThreads / kSegmentChunks;
-    int row = threadIdx.x / kSegmentChunks;
-    const int col = threadIdx.x % kSegmentChunks * kElementsPerChunk;
+    // Config::kRereadThreadIndex: threadIdx.x re-read (S2R) per copy rather than kept live (ptx.cuh).
+    const int thread = Config::kRereadThreadIndex ? thread_index_reread() : static_cast<int>(threadIdx.x);
+    int row = thread / kSegmentChunks;
+    const int col = thread % kSegmentChunks * kElementsPerChunk;
     static_assert(kRowsPerPass % 8 == 0, "a pass moves whole 8-row groups (the swizzle repeats every 8 rows)");
     using Rows = typename Config::Rows;
     const Element* src = gmem + row * gmem_row_stride + col;

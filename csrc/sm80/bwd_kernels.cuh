@@ -265,6 +265,18 @@ __global__ void __launch_bounds__(Tile::kThreads)
       // dropout is on (kExtras only; a separate copy so that softcap / ALiBi without dropout do not
       // pay for the keep selects: 5 instructions per element).
       auto scores_to_gradients = [&](auto masked, auto dropped) {
+        // The queries (block coordinates) that see the thread's first key, thread_key: [lo_base, hi_base],
+        // clamped to [-32, kBlockQueries + 32]; its other keys are 8, 16 and 24 further, so the clamps
+        // below stay exact in int32. Formed per block from one key: per-key 64-bit bounds were hoisted
+        // out of the walk by the compiler (16 registers; ptxas spilled 24 B at hd128 / 256).
+        int lo_base = 0, hi_base = 0;
+        if constexpr (decltype(masked)::value) {
+          const int64_t thread_key_on_diagonal = static_cast<int64_t>(thread_key) - band.diagonal_offset - first_query;
+          const int64_t lo_unclamped = thread_key_on_diagonal - band.right;
+          const int64_t hi_unclamped = thread_key_on_diagonal + band.left;
+          lo_base = static_cast<int>(lo_unclamped < -32 ? -32 : (lo_unclamped > kBlockQueries + 32 ? kBlockQueries + 32 : lo_unclamped));
+          hi_base = static_cast<int>(hi_unclamped < -32 ? -32 : (hi_unclamped > kBlockQueries + 32 ? kBlockQueries + 32 : hi_unclamped));
+        }
 #pragma unroll
         for (int mi = 0; mi < kScoreMTiles; ++mi) {
 #pragma unroll
@@ -272,14 +284,11 @@ __global__ void __launch_bounds__(Tile::kThreads)
             const int key = thread_key + 16 * mi + 8 * half;
             // The queries that see `key`, as query_in_block bounds [lo, hi]: two compares per element.
             // Masked entries get P = 0 by a select, so the exp2 of a row that sees no key (lse = -inf:
-            // every entry of it is masked) is never used.
+            // every entry of it is masked) is never used. Keys past len_k (zero-filled rows) see nothing.
             int lo = 0, hi = kBlockQueries - 1;
             if constexpr (decltype(masked)::value) {
-              const IndexRange seen_by = band.queries_seeing_key(key);
-              const int64_t lo_unclamped = seen_by.begin - first_query, hi_unclamped = seen_by.end - 1 - first_query;
-              lo = lo_unclamped < 0 ? 0 : static_cast<int>(lo_unclamped < kBlockQueries ? lo_unclamped : kBlockQueries);
-              hi = hi_unclamped >= valid_queries ? valid_queries - 1
-                                                 : static_cast<int>(hi_unclamped < -1 ? -1 : hi_unclamped);
+              lo = min(max(lo_base + 16 * mi + 8 * half, 0), kBlockQueries);
+              hi = key >= len_k ? -1 : min(max(hi_base + 16 * mi + 8 * half, -1), valid_queries - 1);
             }
 #pragma unroll
             for (int nj = 0; nj < kScoreNTiles; ++nj) {

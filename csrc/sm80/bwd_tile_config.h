@@ -36,6 +36,7 @@ struct BwdDkDvTile {
   static constexpr int kBlockKeys = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kBlockQueries = kHeadDim <= 64 && !kExtras ? 128 : 64;
   using Rows = HeadDimRows<kHeadDim>;         // shared layout of the K, V, Q and dO tiles (smem_rows.cuh)
+  static constexpr bool kRereadThreadIndex = false;  // tile copies keep threadIdx.x (ptx.cuh)
   using ScoreRows = PaddedRows<kBlockQueries>;  // Pᵀ and dSᵀ tiles (keys x queries), written by st.shared
   // Column warps of a warp grid over (rows x kHeadDim) whose warps own 32 rows; halved (16-row warps)
   // where a warp's column count would not be a multiple of 16 (two n-tiles per B load).
@@ -92,6 +93,7 @@ struct BwdDqTile {
   static constexpr int kBlockQueries = 16 * kWarps;
   static constexpr int kBlockKeys = kHeadDim <= 128 ? 64 : 32;
   using Rows = HeadDimRows<kHeadDim>;  // shared layout of the Q, dO, K and V tiles (smem_rows.cuh)
+  static constexpr bool kRereadThreadIndex = false;  // tile copies keep threadIdx.x (ptx.cuh)
   // Q and dO tiles, and per stage a K and a V tile.
   static constexpr int smem_bytes(int stages) {
     return (2 * kBlockQueries + stages * 2 * kBlockKeys) * Rows::kRowBytes;

@@ -24,6 +24,8 @@ struct FwdTile {
   static constexpr int kMTiles = kRowsPerWarp / 16;
 
   using Rows = HeadDimRows<kHeadDim>;  // shared layout of the Q, K, V tiles (smem_rows.cuh)
+  // Tile copies re-read threadIdx.x where registers are capped for occupancy (ptx.cuh).
+  static constexpr bool kRereadThreadIndex = kMinCtasPerSm > 1;
   static constexpr int kSmemElements = (kBlockM + 2 * kBlockN) * Rows::kRowElements;  // Q, K, V tiles
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dims are multiples of 32 up to 256");
