@@ -39,8 +39,9 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
     constexpr int kSegmentsPerRow = kChunksPerRow / kSegmentChunks;
     constexpr int kRowsPerPass = Config::kThreads / kSegmentChunks;
     // Config::kRereadThreadIndex: threadIdx.x re-read (S2R) per copy rather than kept live (ptx.cuh).
-    const int thread = Config::kRereadThreadIndex ? thread_index_reread() : static_cast<int>(threadIdx.x);
-    int row = thread / kSegmentChunks;
+    unsigned thread = threadIdx.x;
+    if constexpr (Config::kRereadThreadIndex) thread = thread_index_reread();
+    int row = thread / kSegmentChunks;  // unsigned division: a shift
     const int col = thread % kSegmentChunks * kElementsPerChunk;
     static_assert(kRowsPerPass % 8 == 0, "a pass moves whole 8-row groups (the swizzle repeats every 8 rows)");
     using Rows = typename Config::Rows;
