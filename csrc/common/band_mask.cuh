@@ -46,6 +46,12 @@ struct BandMask {
   __device__ __forceinline__ bool misses(int first_row, int last_row, int first_key, int last_key) const {
     return first_key - last_row - diagonal_offset > right32 || last_key - first_row - diagonal_offset < -left32;
   }
+  // The rows that see `key` (none when key >= len_k): row i sees it iff
+  // i + diagonal_offset - left <= key <= i + diagonal_offset + right. Not clamped to [0, len_q).
+  __device__ __forceinline__ IndexRange queries_seeing_key(int key) const {
+    if (key >= len_k) return {1, 0};
+    return {static_cast<int64_t>(key) - diagonal_offset - right, static_cast<int64_t>(key) - diagonal_offset + left + 1};
+  }
   // The rows of [0, len_q) that see at least one key of [key_begin, key_end) (not empty).
   __device__ __forceinline__ int first_row_seeing(int key_begin) const {
     const int64_t r = static_cast<int64_t>(key_begin) - right - diagonal_offset;

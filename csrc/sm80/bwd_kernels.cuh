@@ -265,12 +265,17 @@ __global__ void __launch_bounds__(Tile::kThreads)
       // dropout is on (kExtras only; a separate copy so that softcap / ALiBi without dropout do not
       // pay for the keep selects: 5 instructions per element).
       auto scores_to_gradients = [&](auto masked, auto dropped) {
-        // The queries (block coordinates) that see the thread's first key, thread_key: [lo_base, hi_base],
-        // clamped to [-32, kBlockQueries + 32]; its other keys are 8, 16 and 24 further, so the clamps
-        // below stay exact in int32. Formed per block from one key: per-key 64-bit bounds were hoisted
-        // out of the walk by the compiler (16 registers; ptxas spilled 24 B at hd128 / 256).
+        // The queries that see each of the thread's keys (masked blocks), in one of two forms that compute
+        // the same bounds. Per key: [seen_by.begin, seen_by.end) of BandMask in 64 bits, which the
+        // compiler hoists out of the walk (loop-invariant but for first_query). Per block: the bounds of
+        // the thread's first key, thread_key, clamped to [-32, kBlockQueries + 32] (its other keys are
+        // 8, 16 and 24 further, so the clamps below stay exact in int32). ptxas and the H200 (bf16, 2k /
+        // 8k, same call) disagree with each other: per block, hd64 / 128 lose their 24 B spill but run
+        // 4-5% slower (non-causal too, which never takes this path); hd256 runs 1.2-1.9% faster and loses
+        // its 24 B spill. Per block from head_dim 160 (hd256's geometry; 160-224 not measured apart).
+        constexpr bool kPerBlockBounds = kHeadDim > 128;
         int lo_base = 0, hi_base = 0;
-        if constexpr (decltype(masked)::value) {
+        if constexpr (decltype(masked)::value && kPerBlockBounds) {
           const int64_t thread_key_on_diagonal = static_cast<int64_t>(thread_key) - band.diagonal_offset - first_query;
           const int64_t lo_unclamped = thread_key_on_diagonal - band.right;
           const int64_t hi_unclamped = thread_key_on_diagonal + band.left;
@@ -286,9 +291,15 @@ __global__ void __launch_bounds__(Tile::kThreads)
             // Masked entries get P = 0 by a select, so the exp2 of a row that sees no key (lse = -inf:
             // every entry of it is masked) is never used. Keys past len_k (zero-filled rows) see nothing.
             int lo = 0, hi = kBlockQueries - 1;
-            if constexpr (decltype(masked)::value) {
+            if constexpr (decltype(masked)::value && kPerBlockBounds) {
               lo = min(max(lo_base + 16 * mi + 8 * half, 0), kBlockQueries);
               hi = key >= len_k ? -1 : min(max(hi_base + 16 * mi + 8 * half, -1), valid_queries - 1);
+            } else if constexpr (decltype(masked)::value) {
+              const IndexRange seen_by = band.queries_seeing_key(key);
+              const int64_t lo_unclamped = seen_by.begin - first_query, hi_unclamped = seen_by.end - 1 - first_query;
+              lo = lo_unclamped < 0 ? 0 : static_cast<int>(lo_unclamped < kBlockQueries ? lo_unclamped : kBlockQueries);
+              hi = hi_unclamped >= valid_queries ? valid_queries - 1
+                                                 : static_cast<int>(hi_unclamped < -1 ? -1 : hi_unclamped);
             }
 #pragma unroll
             for (int nj = 0; nj < kScoreNTiles; ++nj) {
