@@ -31,8 +31,8 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_s
 // threadIdx.x read anew (S2R) at each use: the compiler otherwise keeps one read live for the whole
 // kernel. For values needed once per tile copy in register-capped kernels a re-read costs less than a
 // register: the forward at head_dim 64 (168 registers for 3 CTAs per SM) spilled tid / 8 of its copies
-// and ran 2-3% faster with the re-read (H200, 2k / 8k); the backward kernels (255 registers, 1 CTA per
-// SM) ran 1-4% slower with it at head_dim 64 / 128.
+// and ran 2-3% faster with the re-read (H200, bf16, 2k / 8k). Used where a tile config asks for it
+// (kRereadThreadIndex); the backward's effect of it alone is not measured.
 __device__ __forceinline__ unsigned thread_index_reread() {
   unsigned tid;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));

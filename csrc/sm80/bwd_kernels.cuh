@@ -270,9 +270,9 @@ __global__ void __launch_bounds__(Tile::kThreads)
         // compiler hoists out of the walk (loop-invariant but for first_query). Per block: the bounds of
         // the thread's first key, thread_key, clamped to [-32, kBlockQueries + 32] (its other keys are
         // 8, 16 and 24 further, so the clamps below stay exact in int32). ptxas and the H200 (bf16, 2k /
-        // 8k, same call) disagree with each other: per block, hd64 / 128 lose their 24 B spill but run
-        // 4-5% slower (non-causal too, which never takes this path); hd256 runs 1.2-1.9% faster and loses
-        // its 24 B spill. Per block from head_dim 160 (hd256's geometry; 160-224 not measured apart).
+        // 8k, same call) disagree with each other: per block, hd128 loses its 24 B spill but hd64 / 128
+        // run 4-5% slower (non-causal too, which never takes this path); hd256 runs 1.2-1.9% faster and
+        // loses its 24 B spill. Per block from head_dim 160 (hd256's geometry; 160-224 not measured apart).
         constexpr bool kPerBlockBounds = kHeadDim > 128;
         int lo_base = 0, hi_base = 0;
         if constexpr (decltype(masked)::value && kPerBlockBounds) {
