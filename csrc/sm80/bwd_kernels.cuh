@@ -279,8 +279,12 @@ __global__ void __launch_bounds__(Tile::kThreads)
           const int64_t thread_key_on_diagonal = static_cast<int64_t>(thread_key) - band.diagonal_offset - first_query;
           const int64_t lo_unclamped = thread_key_on_diagonal - band.right;
           const int64_t hi_unclamped = thread_key_on_diagonal + band.left;
-          lo_base = static_cast<int>(lo_unclamped < -32 ? -32 : (lo_unclamped > kBlockQueries + 32 ? kBlockQueries + 32 : lo_unclamped));
-          hi_base = static_cast<int>(hi_unclamped < -32 ? -32 : (hi_unclamped > kBlockQueries + 32 ? kBlockQueries + 32 : hi_unclamped));
+          lo_base = static_cast<int>(lo_unclamped < -32                  ? -32
+                                      : lo_unclamped > kBlockQueries + 32 ? kBlockQueries + 32
+                                                                        : lo_unclamped);
+          hi_base = static_cast<int>(hi_unclamped < -32                  ? -32
+                                      : hi_unclamped > kBlockQueries + 32 ? kBlockQueries + 32
+                                                                        : hi_unclamped);
         }
 #pragma unroll
         for (int mi = 0; mi < kScoreMTiles; ++mi) {
