@@ -268,6 +268,8 @@ void set_options(FwdParams& p, const AttentionOptions& o, const std::optional<at
   p.window_left = static_cast<int>(o.window_left);
   p.window_right = static_cast<int>(effective_window_right(o));
   p.softcap = static_cast<float>(o.softcap);
+  p.fwd_score_scale = static_cast<float>(o.softcap > 0 ? o.softcap : o.softmax_scale);
+  p.fwd_score_scale_log2 = static_cast<float>((o.softcap > 0 ? o.softcap : o.softmax_scale) * M_LOG2E);
   if (alibi_slopes.has_value()) {
     p.alibi_slopes = alibi_slopes->data_ptr<float>();
     p.alibi_slopes_batch_stride = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;

@@ -80,6 +80,11 @@ struct FwdParams {
 
   // ---- Score modifiers, applied in this order to s = softmax_scale * q.k ----
   float softcap = 0.f;                    // > 0: s = softcap * tanh(s / softcap); 0: off
+  // The softcap / ALiBi / dropout forward keeps scores in its own units (sm80/fwd_kernel.cuh): raw q.k, or
+  // with softcap tanh(s / softcap). Its softmax multiplies them by fwd_score_scale_log2 (scale_log2, or
+  // softcap * log2(e)) and its lse by fwd_score_scale (softmax_scale, or softcap).
+  float fwd_score_scale_log2 = 0.f;
+  float fwd_score_scale = 0.f;
   const float* alibi_slopes = nullptr;    // fp32; nullptr: off. s -= slope * |i + len_k - len_q - j| with
   int64_t alibi_slopes_batch_stride = 0;  // slope = alibi_slopes[b * batch_stride + h]; stride 0: one slope per head
 

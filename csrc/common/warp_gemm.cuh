@@ -27,6 +27,11 @@ __device__ __forceinline__ uint32_t a_lane_address(uint32_t tile, int first_row,
   const int lane = threadIdx.x % 32;
   return tile + Rows::offset(first_row + lane % 16, first_col + lane / 16 * 8);
 }
+// The same for a given lane (e.g. from a re-read thread index, ptx.cuh).
+template <typename Rows>
+__device__ __forceinline__ uint32_t a_lane_address(uint32_t tile, int first_row, int first_col, int lane) {
+  return tile + Rows::offset(first_row + lane % 16, first_col + lane / 16 * 8);
+}
 
 // A operand (16 rows x 16 k) from a tile stored transposed (its rows are k, contiguous along
 // the A rows), loaded with ldmatrix.trans: matrices (k 0-7, rows 0-7), (k 0-7, rows 8-15),
@@ -44,12 +49,22 @@ __device__ __forceinline__ uint32_t b_rows_n_lane_address(uint32_t tile, int fir
   const int lane = threadIdx.x % 32;
   return tile + Rows::offset(first_row + lane % 8 + lane / 16 * 8, first_col + (lane / 8 % 2) * 8);
 }
+// The same for a given lane (e.g. from a re-read thread index, ptx.cuh).
+template <typename Rows>
+__device__ __forceinline__ uint32_t b_rows_n_lane_address(uint32_t tile, int first_row, int first_col, int lane) {
+  return tile + Rows::offset(first_row + lane % 8 + lane / 16 * 8, first_col + (lane / 8 % 2) * 8);
+}
 
 // B operand, rows are K (16 k x two n-tiles of 8), transposed on load: matrices (k 0-7, n 0-7),
 // (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15) -> {b0, b1} of n-tile 0, then of n-tile 1.
 template <typename Rows>
 __device__ __forceinline__ uint32_t b_rows_k_lane_address(uint32_t tile, int first_row, int first_col) {
   const int lane = threadIdx.x % 32;
+  return tile + Rows::offset(first_row + lane % 8 + (lane / 8 % 2) * 8, first_col + lane / 16 * 8);
+}
+// The same for a given lane (e.g. from a re-read thread index, ptx.cuh).
+template <typename Rows>
+__device__ __forceinline__ uint32_t b_rows_k_lane_address(uint32_t tile, int first_row, int first_col, int lane) {
   return tile + Rows::offset(first_row + lane % 8 + (lane / 8 % 2) * 8, first_col + lane / 16 * 8);
 }
 

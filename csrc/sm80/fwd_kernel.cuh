@@ -55,7 +55,8 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTilesS][4]
   }
 }
 
-// Replaces raw q.k scores by their modified scores (softcap, ALiBi), still in raw units. Softcap and
+// Replaces raw q.k scores by their modified scores (softcap, ALiBi) in the forward's score units
+// (params.h, fwd_score_scale: with softcap, tanh values; the softmax scale carries the cap). Softcap and
 // ALiBi are separate passes under uniform branches: in one pass, the step a call does not use stays in
 // the code predicated off and still costs its issue slots (5 instructions per score for either alone
 // instead of 3 for softcap, 2 for ALiBi; the forward with either was +21-22% over plain attention at
@@ -70,10 +71,7 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][
 #pragma unroll
       for (int nj = 0; nj < kNTilesS; ++nj) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          float unused_tanh;
-          acc_s[mi][nj][r] = mod.softcapped(acc_s[mi][nj][r], unused_tanh);
-        }
+        for (int r = 0; r < 4; ++r) acc_s[mi][nj][r] = mod.fwd_tanh(acc_s[mi][nj][r]);
       }
     }
   }
@@ -89,7 +87,7 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& score = acc_s[mi][nj][2 * half + e];
-            score = mod.with_alibi(score, row_on_diagonal, first_key_of_thread + (nj * 8 + e));
+            score = mod.fwd_with_alibi(score, row_on_diagonal, first_key_of_thread + (nj * 8 + e));
           }
         }
       }
@@ -98,11 +96,13 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][
 }
 
 // Dropout on unnormalised probabilities, after the online softmax took them into the row sums (lse is
-// that of the undropped softmax). The keep bits come from common/dropout_bits.cuh; they are applied
-// with the accumulator indices known at compile time.
-template <int kMTiles, int kNTilesS>
-__device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
-                                                   const FwdParams& params) {
+// that of the undropped softmax), applied to P in 16 bits (the A fragments of P·V, from
+// accumulator_to_a_fragments): zeroing a 16-bit half is zeroing the fp32 value before rounding, and the
+// Philox calls then run while the fp32 score tile is dead (on the fp32 tile ptxas spilled 8 B in the
+// hd128 kernel, CUDA 13.0, sm_90a). The keep bits come from common/dropout_bits.cuh.
+template <int kMTiles, int kKSteps>
+__device__ __forceinline__ void drop_probabilities(uint32_t (&p_frag)[kMTiles][kKSteps][4], int first_row,
+                                                   int first_key, const FwdParams& params) {
   const int lane = threadIdx.x % 32;
   // Formed here, per key block, rather than kept in registers across the main loop.
   const PhiloxSeedOffset rng = philox_seed_offset(params);
@@ -113,13 +113,14 @@ __device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTil
     for (int half = 0; half < 2; ++half) {
       const int row = first_row + mi * 16 + lane / 4 + 8 * half;
       // Bit 2 * nj + e: column nj * 8 + 2 * (lane % 4) + e is kept.
-      const uint32_t keep_bits = row_keep_bits<kNTilesS>(rng, batch_head, row, first_key, params.dropout_threshold);
+      const uint32_t keep_bits =
+          row_keep_bits<2 * kKSteps>(rng, batch_head, row, first_key, params.dropout_threshold);
 #pragma unroll
-      for (int nj = 0; nj < kNTilesS; ++nj) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (!(keep_bits >> (2 * nj + e) & 1u)) acc_s[mi][nj][2 * half + e] = 0.f;
-        }
+      for (int nj = 0; nj < 2 * kKSteps; ++nj) {
+        // n-tile nj is register 2 * (nj % 2) + half of k-step nj / 2; element e is its half e.
+        const uint32_t bits = keep_bits >> (2 * nj) & 3u;
+        const uint32_t keep_mask = (bits & 1u ? 0x0000ffffu : 0u) | (bits & 2u ? 0xffff0000u : 0u);
+        p_frag[mi][nj / 2][2 * (nj % 2) + half] &= keep_mask;
       }
     }
   }
@@ -142,6 +143,12 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   // spilled 88 / 80 B there, and the skip alone measured as much (and spills nothing); hd256 -2.8 /
   // -3.3%, causal -1.9 / -3.7%; at hd64 ptxas spilled 48 / 36 B with it.
   constexpr bool kWholeKvTiles = kHeadDim == 128 && kExtras;
+
+  // The tile copies re-read the thread index where Config says so (hd <= 64, register-capped) and, with
+  // 32-row warps (hd96 / 128), in the softcap / ALiBi / dropout variant: ptxas spilled the thread index
+  // there (8-24 B; CUDA 13.0, sm_90a). Not in plain attention at hd96 / 128: measured -1% at hd128 (H200,
+  // bf16, 2k-16k) and it spills nothing without.
+  using CopyTile = std::conditional_t<kExtras && Config::kRowsPerWarp == 32, RereadThreadIndex<Config>, Config>;
 
   extern __shared__ __align__(128) unsigned char smem_bytes[];  // 128: the swizzled layout XORs address bits
   Element* smem_q = reinterpret_cast<Element*>(smem_bytes);
@@ -233,18 +240,25 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     return hi_unmasked - 1 - (i - num_masked);
   };
 
-  load_tile_async<Config, kBlockM>(smem_q, q, params.q_strides.row, valid_rows);
+  load_tile_async<CopyTile, kBlockM>(smem_q, q, params.q_strides.row, valid_rows);
   int key_block = scheduled_block(0);
   int next_key_block = scheduled_block(1);
-  load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_k, k_tile(key_block), params.k_strides.row,
+  load_tile_async<CopyTile, kBlockN, kWholeKvTiles>(smem_k, k_tile(key_block), params.k_strides.row,
                                                   len_k - key_block * kBlockN);
   cp_async_commit();
 
   float acc_o[kMTiles][kNTilesO][4] = {};
   OnlineSoftmax<kMTiles> softmax;
 
-  const uint32_t q_lane_addr = a_lane_address<Rows>(smem_address(smem_q), warp_first_row, 0);
-  const uint32_t k_lane_addr = b_rows_n_lane_address<Rows>(smem_address(smem_k), 0, 0);
+  // ldmatrix lane addresses, kept across the loop, except that the register-capped kernel (hd <= 64, 3 CTAs
+  // per SM) forms Q's and K's per key block from a re-read thread index (ptx.cuh). Kept, ptxas spilled a
+  // part of them there (8 / 4 B; CUDA 13.0, sm_90a); V's per block too, or only Q's or K's, spilled 12-60 B.
+  // Measured at hd64 (H200, bf16, 2k / 8k / 16k): +0.6 / +2.0 / +0.8% (causal -0.5 / -0.4 / 0%) over
+  // keeping them; all three per block -0.3 to -2%. Per block in the softcap / ALiBi / dropout variant:
+  // hd128 spilled 40 B.
+  constexpr bool kQkLaneAddressesPerBlock = !kExtras && Config::kMinCtasPerSm > 1;
+  const uint32_t q_lane_addr_kept = a_lane_address<Rows>(smem_address(smem_q), warp_first_row, 0);
+  const uint32_t k_lane_addr_kept = b_rows_n_lane_address<Rows>(smem_address(smem_k), 0, 0);
   const uint32_t v_lane_addr = b_rows_k_lane_address<Rows>(smem_address(smem_v), 0, 0);
 
   // Softcap / ALiBi constants, formed once (a slope load and two divisions), not per key block.
@@ -260,7 +274,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     cp_async_wait<0>();
     __syncthreads();
     if (next_key_block >= 0) {
-      load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_k, k_tile(next_key_block), params.k_strides.row,
+      load_tile_async<CopyTile, kBlockN, kWholeKvTiles>(smem_k, k_tile(next_key_block), params.k_strides.row,
                                                       len_k - next_key_block * kBlockN);
     }
     cp_async_commit();
@@ -270,13 +284,21 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   auto wait_k_then_load_v = [&] {
     cp_async_wait<0>();
     __syncthreads();
-    load_tile_async<Config, kBlockN, kWholeKvTiles>(smem_v, v_tile(key_block), params.v_strides.row,
+    load_tile_async<CopyTile, kBlockN, kWholeKvTiles>(smem_v, v_tile(key_block), params.v_strides.row,
                                                     len_k - key_block * kBlockN);
     cp_async_commit();
   };
 
   auto process_key_block = [&](auto is_first, auto needs_mask) {
     wait_k_then_load_v();
+
+    const int lane_now = kQkLaneAddressesPerBlock ? thread_index_reread() % 32 : 0;
+    const uint32_t q_lane_addr = kQkLaneAddressesPerBlock
+                                     ? a_lane_address<Rows>(smem_address(smem_q), warp_first_row, 0, lane_now)
+                                     : q_lane_addr_kept;
+    const uint32_t k_lane_addr = kQkLaneAddressesPerBlock
+                                     ? b_rows_n_lane_address<Rows>(smem_address(smem_k), 0, 0, lane_now)
+                                     : k_lane_addr_kept;
 
     // S = Q · Kᵀ for this warp's rows.
     float acc_s[kMTiles][kNTilesS][4] = {};
@@ -290,15 +312,17 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     if constexpr (decltype(needs_mask)::value) {
       mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
     }
-    softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.scale_log2);
-    if constexpr (kExtras) {
-      if (params.has_dropout()) {
-        drop_probabilities(acc_s, first_row + warp_first_row, key_block * kBlockN, params);
-      }
-    }
+    // The scale of this variant's score units (params.h: fwd_score_scale).
+    softmax.template update<decltype(is_first)::value>(acc_s, acc_o,
+                                                       kExtras ? params.fwd_score_scale_log2 : params.scale_log2);
 
     uint32_t p_frag[kMTiles][kBlockN / 16][4];  // P in 16 bits, as A fragments of P · V
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
+    if constexpr (kExtras) {
+      if (params.has_dropout()) {
+        drop_probabilities(p_frag, first_row + warp_first_row, key_block * kBlockN, params);
+      }
+    }
 
     if constexpr (!kEarlyNextK) wait_v_then_load_next_k();
 
@@ -350,7 +374,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   }
 
   float row_lse[2 * kMTiles];
-  softmax.finalize(acc_o, params.softmax_scale, row_lse);
+  softmax.finalize(acc_o, kExtras ? params.fwd_score_scale : params.softmax_scale, row_lse);
   if constexpr (kExtras) {
     if (params.has_dropout()) {  // kept probabilities count 1 / (1 - p)
 #pragma unroll

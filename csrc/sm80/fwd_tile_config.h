@@ -34,6 +34,13 @@ struct FwdTile {
   static_assert(kSmemElements * 2 <= 163 * 1024, "the tiles fit an A100 (163 KB per block)");
 };
 
+// A tile geometry whose copies re-read the thread index (ptx.cuh); the forward's softcap / ALiBi / dropout
+// variant with 32-row warps copies with it (fwd_kernel.cuh).
+template <typename Tile>
+struct RereadThreadIndex : Tile {
+  static constexpr bool kRereadThreadIndex = true;
+};
+
 // The geometry shipped for each head dim.
 //
 // Reasoning:
