@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <array>
 #include <cstdint>
 
 namespace flash_ext {
@@ -61,6 +62,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&frag)[4], uint32_t 
                : "=r"(frag[0]), "=r"(frag[1]), "=r"(frag[2]), "=r"(frag[3])
                : "r"(smem_src));
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The inverse of ldmatrix_x4 (sm90+): lane i supplies the row address of matrix i/8, row i%8, and
+// register j of each lane holds, of matrix j, elements (row lane/4, columns 2*(lane%4) and +1) -- the
+// layout of an mma accumulator's 16-bit pairs.
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_dst, const std::array<uint32_t, 4>& frag) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_dst), "r"(frag[0]),
+               "r"(frag[1]), "r"(frag[2]), "r"(frag[3])
+               : "memory");
+}
+#endif
 
 // D (16x8 fp32) += A (16x16, row-major) * B (16x8, column-major), 16-bit inputs.
 // Fragments, with g = lane/4, t = lane%4:

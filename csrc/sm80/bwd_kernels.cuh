@@ -360,6 +360,37 @@ __global__ void __launch_bounds__(Tile::kThreads)
       }
       // 16-bit Pᵀ and dSᵀ to shared memory: accumulator registers (0, 1) of (mi, nj) are key row
       // lane/4 of m-tile mi, query columns 2 (lane % 4) and + 1 of n-tile nj; (2, 3) the row + 8.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      // sm90: one stmatrix per 16 keys x 16 queries (n-tiles 2j, 2j + 1) and tile, instead of four 32-bit
+      // stores (head_dim 64: 16 instead of 64 per thread and query block). Lane l addresses row l % 8 of
+      // matrix l / 8 = (keys + 8 (l / 8 % 2), n-tile 2j + l / 16); the other blocks are immediate offsets.
+      static_assert(kScoreNTiles % 2 == 0, "n-tiles in pairs");
+      const uint32_t lane_row_offset =
+          ScoreRows::offset(score_first_key + lane % 8 + 8 * (lane / 8 % 2), score_first_query + 8 * (lane / 16));
+      // A 16 x 16 block of an accumulator tile as stmatrix's four registers.
+      auto block_pairs = [](const float (&acc)[kScoreMTiles][kScoreNTiles][4], int mi, int j) {
+        return std::array<uint32_t, 4>{pack_float2<Element>(acc[mi][2 * j][0], acc[mi][2 * j][1]),
+                                       pack_float2<Element>(acc[mi][2 * j][2], acc[mi][2 * j][3]),
+                                       pack_float2<Element>(acc[mi][2 * j + 1][0], acc[mi][2 * j + 1][1]),
+                                       pack_float2<Element>(acc[mi][2 * j + 1][2], acc[mi][2 * j + 1][3])};
+      };
+#pragma unroll
+      for (int mi = 0; mi < kScoreMTiles; ++mi) {
+#pragma unroll
+        for (int j = 0; j < kScoreNTiles / 2; ++j) {
+          stmatrix_x4(smem_address(smem_pt) + lane_row_offset + ScoreRows::offset(16 * mi, 16 * j),
+                      block_pairs(acc_s, mi, j));
+        }
+      }
+#pragma unroll
+      for (int mi = 0; mi < kScoreMTiles; ++mi) {
+#pragma unroll
+        for (int j = 0; j < kScoreNTiles / 2; ++j) {
+          stmatrix_x4(smem_address(smem_dst) + lane_row_offset + ScoreRows::offset(16 * mi, 16 * j),
+                      block_pairs(acc_dp, mi, j));
+        }
+      }
+#else
 #pragma unroll
       for (int mi = 0; mi < kScoreMTiles; ++mi) {
 #pragma unroll
@@ -374,6 +405,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
           }
         }
       }
+#endif
     }
     __syncthreads();  // Pᵀ and dSᵀ of the whole block are in shared memory
 
