@@ -40,6 +40,19 @@ __device__ __forceinline__ unsigned thread_index_reread() {
   return tid;
 }
 
+// blockIdx.x and gridDim.x read again, as thread_index_reread: for a value derived from them that ptxas
+// would otherwise keep live (or spill) across a loop.
+__device__ __forceinline__ unsigned block_index_reread() {
+  unsigned ctaid;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(ctaid));
+  return ctaid;
+}
+__device__ __forceinline__ unsigned grid_size_reread() {
+  unsigned nctaid;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(nctaid));
+  return nctaid;
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Wait until at most `kPending` committed groups are still in flight.

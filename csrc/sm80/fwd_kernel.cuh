@@ -173,6 +173,17 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   const int len_q = static_cast<int>(q_span.length);
   const int len_k = static_cast<int>(k_span.length);
   const int first_row = m_block * kBlockM;
+  // The loop and the epilogue take first_row from here. For sm_80, plain attention forms it again from
+  // the special registers: kept, ptxas (CUDA 13.0) spilled it in the hd128 kernel (8 / 48 B); re-read,
+  // the softcap / ALiBi / dropout variant spilled 4 B instead. sm_90a spills neither way.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  constexpr bool kRereadFirstRow = !kExtras;
+#else
+  constexpr bool kRereadFirstRow = false;
+#endif
+  auto first_row_now = [&] {
+    return kRereadFirstRow ? static_cast<int>(grid_size_reread() - 1 - block_index_reread()) * kBlockM : first_row;
+  };
   if (first_row >= len_q) return;  // variable-length batch: past this sequence's end
   const int valid_rows = min(kBlockM, len_q - first_row);
   const BandMask band(params, len_q, len_k);
@@ -193,9 +204,9 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   // registers that hd128 does not have.
   auto out_block = [&] {
     return static_cast<Element*>(params.out) + batch * params.out_strides.batch + head * params.out_strides.head +
-           (params.query_span(batch).begin + first_row) * params.out_strides.row;
+           (params.query_span(batch).begin + first_row_now()) * params.out_strides.row;
   };
-  auto lse_block = [&] { return params.lse + params.lse_index(batch, head, first_row); };
+  auto lse_block = [&] { return params.lse + params.lse_index(batch, head, first_row_now()); };
 
   // Keys some row of this block sees: from the first row's band start to the last row's band end.
   const int key_begin = band.begin(first_row);
@@ -307,10 +318,10 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     if constexpr (kEarlyNextK) wait_v_then_load_next_k();
 
     if constexpr (kExtras) {
-      if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod);
+      if (mod.active()) modify_scores(acc_s, first_row_now() + warp_first_row, key_block * kBlockN, mod);
     }
     if constexpr (decltype(needs_mask)::value) {
-      mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+      mask_scores(acc_s, first_row_now() + warp_first_row, key_block * kBlockN, band);
     }
     // The scale of this variant's score units (params.h: fwd_score_scale).
     softmax.template update<decltype(is_first)::value>(acc_s, acc_o,
@@ -320,7 +331,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
     if constexpr (kExtras) {
       if (params.has_dropout()) {
-        drop_probabilities(p_frag, first_row + warp_first_row, key_block * kBlockN, params);
+        drop_probabilities(p_frag, first_row_now() + warp_first_row, key_block * kBlockN, params);
       }
     }
 
@@ -341,7 +352,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   // +1.9 / +1.1%, causal +2.3 / +1.5%; window (1024, 0) at 16k 0.473 -> 0.457 ms.
   constexpr bool kSkipMissedBlocks = !kExtras && Config::kMinCtasPerSm == 1 && Config::kRowsPerWarp == 32;
   auto warp_misses_block = [&] {
-    const int warp_row = first_row + warp_first_row;
+    const int warp_row = first_row_now() + warp_first_row;
     return band.misses(warp_row, warp_row + Config::kRowsPerWarp - 1, key_block * kBlockN,
                        key_block * kBlockN + kBlockN - 1);
   };
