@@ -36,9 +36,22 @@ def read_version():
 def cuda_archs():
     archs = [a.strip() for a in os.environ.get("FLASH_EXT_CUDA_ARCHS", DEFAULT_ARCHS).split(";") if a.strip()]
     for arch in archs:
-        if not re.fullmatch(r"\d{2,3}a?", arch) or int(arch.rstrip("a")) < 80:
-            sys.exit(f"flash_ext: FLASH_EXT_CUDA_ARCHS entry {arch!r} is not an architecture >= 80 like '80' or '90a'")
+        match = re.fullmatch(r"(\d{2,3})(a|\+ptx)?", arch)
+        if not match or int(match.group(1)) < 80:
+            sys.exit(
+                f"flash_ext: FLASH_EXT_CUDA_ARCHS entry {arch!r} is not an architecture >= 80 like '80', '90a' or '80+ptx'"
+            )
     return archs
+
+
+def gencode_flag(arch):
+    """'90a' -> machine code for sm_90a; '80+ptx' -> PTX for compute_80 only, which the driver compiles when
+    the module loads, on any GPU from sm_80 on: how the sm_80 source path (`__CUDA_ARCH__` 800) can be run
+    and tested on an H100/H200."""
+    if arch.endswith("+ptx"):
+        number = arch[: -len("+ptx")]
+        return f"-gencode=arch=compute_{number},code=compute_{number}"
+    return f"-gencode=arch=compute_{arch},code=sm_{arch}"
 
 
 def default_max_jobs():
@@ -85,8 +98,7 @@ def make_extension():
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
     ]
-    for arch in archs:
-        nvcc_flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    nvcc_flags += [gencode_flag(arch) for arch in archs]
     if os.environ.get("FLASH_EXT_PTXAS_VERBOSE", "0") == "1":
         nvcc_flags.append("-Xptxas=-v")
     cxx_flags += ["-DFLASH_EXT_WITH_CUDA", f'-DFLASH_EXT_CUDA_ARCHS="{";".join(archs)}"']
