@@ -27,7 +27,9 @@ __device__ __forceinline__ uint32_t a_lane_address(uint32_t tile, int first_row,
   const int lane = threadIdx.x % 32;
   return tile + Rows::offset(first_row + lane % 16, first_col + lane / 16 * 8);
 }
-// The same for a given lane (e.g. from a re-read thread index, ptx.cuh).
+// The same for a given lane (e.g. from a re-read thread index, ptx.cuh). Separate bodies on purpose: as a
+// default argument, or with the 3-argument form calling this one, ptxas (CUDA 13.0) allocated the hd128
+// forward kernels differently (their SASS changed; one spilled 16 B more).
 template <typename Rows>
 __device__ __forceinline__ uint32_t a_lane_address(uint32_t tile, int first_row, int first_col, int lane) {
   return tile + Rows::offset(first_row + lane % 16, first_col + lane / 16 * 8);
