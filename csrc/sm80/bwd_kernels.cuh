@@ -367,29 +367,23 @@ __global__ void __launch_bounds__(Tile::kThreads)
       static_assert(kScoreNTiles % 2 == 0, "n-tiles in pairs");
       const uint32_t lane_row_offset =
           ScoreRows::offset(score_first_key + lane % 8 + 8 * (lane / 8 % 2), score_first_query + 8 * (lane / 16));
-      // A 16 x 16 block of an accumulator tile as stmatrix's four registers.
-      auto block_pairs = [](const float (&acc)[kScoreMTiles][kScoreNTiles][4], int mi, int j) {
-        return std::array<uint32_t, 4>{pack_float2<Element>(acc[mi][2 * j][0], acc[mi][2 * j][1]),
-                                       pack_float2<Element>(acc[mi][2 * j][2], acc[mi][2 * j][3]),
-                                       pack_float2<Element>(acc[mi][2 * j + 1][0], acc[mi][2 * j + 1][1]),
-                                       pack_float2<Element>(acc[mi][2 * j + 1][2], acc[mi][2 * j + 1][3])};
+      // One accumulator tile to a shared tile, a 16 x 16 block per stmatrix (all of Pᵀ before dSᵀ:
+      // interleaved per block, ptxas spilled 12 / 32 B at hd64).
+      auto store_tile = [&](Element* smem_tile, const float (&acc)[kScoreMTiles][kScoreNTiles][4]) {
+#pragma unroll
+        for (int mi = 0; mi < kScoreMTiles; ++mi) {
+#pragma unroll
+          for (int j = 0; j < kScoreNTiles / 2; ++j) {
+            stmatrix_x4(smem_address(smem_tile) + lane_row_offset + ScoreRows::offset(16 * mi, 16 * j),
+                        {pack_float2<Element>(acc[mi][2 * j][0], acc[mi][2 * j][1]),
+                         pack_float2<Element>(acc[mi][2 * j][2], acc[mi][2 * j][3]),
+                         pack_float2<Element>(acc[mi][2 * j + 1][0], acc[mi][2 * j + 1][1]),
+                         pack_float2<Element>(acc[mi][2 * j + 1][2], acc[mi][2 * j + 1][3])});
+          }
+        }
       };
-#pragma unroll
-      for (int mi = 0; mi < kScoreMTiles; ++mi) {
-#pragma unroll
-        for (int j = 0; j < kScoreNTiles / 2; ++j) {
-          stmatrix_x4(smem_address(smem_pt) + lane_row_offset + ScoreRows::offset(16 * mi, 16 * j),
-                      block_pairs(acc_s, mi, j));
-        }
-      }
-#pragma unroll
-      for (int mi = 0; mi < kScoreMTiles; ++mi) {
-#pragma unroll
-        for (int j = 0; j < kScoreNTiles / 2; ++j) {
-          stmatrix_x4(smem_address(smem_dst) + lane_row_offset + ScoreRows::offset(16 * mi, 16 * j),
-                      block_pairs(acc_dp, mi, j));
-        }
-      }
+      store_tile(smem_pt, acc_s);
+      store_tile(smem_dst, acc_dp);
 #else
 #pragma unroll
       for (int mi = 0; mi < kScoreMTiles; ++mi) {
