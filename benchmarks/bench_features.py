@@ -135,8 +135,16 @@ def bench_score_mods():
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows here")
+    groups = {"varlen": lambda: bench_varlen(False) + bench_varlen(True), "window": bench_window,
+              "score_mods": bench_score_mods}
+    parser.add_argument("--only", default=",".join(groups),
+                        help="comma list of " + ",".join(groups) + " (default: all; score_mods: softcap, ALiBi, dropout)")
     args = parser.parse_args()
-    rows = bench_varlen(False) + bench_varlen(True) + bench_window() + bench_score_mods()
+    chosen = args.only.split(",")
+    unknown = [g for g in chosen if g not in groups]
+    if unknown:
+        parser.error(f"--only: unknown group(s) {unknown}; expected a comma list of {','.join(groups)}")
+    rows = [row for name in chosen for row in groups[name]()]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -4,9 +4,9 @@
 # `/.exp/` in .git/info/exclude and `.exp` in the device run's carry). Each is built in place for the
 # local GPU and benchmarked with the same bench_attention.py arguments; with --tests, its CUDA tests run
 # too; with --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
-# table. One file per version comes back: $OUT/<name>.txt (build status, ptxas summary, test line, tables).
+# table (--features=score_mods: only some of its groups, a comma list, see its --only). One file per version comes back: $OUT/<name>.txt (build status, ptxas summary, test line, tables).
 #
-#   bash scripts/compare_variants.sh [--tests] [--features] [-- BENCH ARGS]
+#   bash scripts/compare_variants.sh [--tests] [--features[=GROUPS]] [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
 # At most 7 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16).
@@ -18,11 +18,13 @@ PY=${PYTHON:-python3}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TESTS=0
 FEATURES=0
+FEATURE_GROUPS=varlen,window,score_mods
 BENCH_ARGS=(--head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash)
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS=1 ;;
     --features) FEATURES=1 ;;
+    --features=*) FEATURES=1; FEATURE_GROUPS=${1#--features=} ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "compare_variants.sh: unknown argument $1" >&2; exit 64 ;;
   esac
@@ -49,7 +51,7 @@ measure() {  # name dir
     PYTHONPATH="$PWD" timeout 300 "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" 2>&1 |
       grep -E "^(op |-{8}|fwd |bwd |fwd_bwd |TFLOP)"
     if [ "$FEATURES" = 1 ]; then
-      PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/bench_features.py 2>&1 | grep -vE "^\s*$"
+      PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/bench_features.py --only "$FEATURE_GROUPS" 2>&1 | grep -vE "^\s*$"
     fi
   ) 2>&1 | tee -a "$report"
 }
