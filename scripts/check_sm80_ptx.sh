@@ -21,7 +21,7 @@ REPORT="$OUT/sm80_ptx.txt"
 COPY=$(mktemp -d)/flash_ext_sm80
 mkdir -p "$COPY"
 # The sources only: no build outputs of the checkout (its in-place extension is for another arch).
-(cd "$REPO" && tar cf - setup.py pyproject.toml README.md csrc flash_ext tests --exclude='*.so' --exclude=__pycache__) |
+(cd "$REPO" && tar cf - --exclude='*.so' --exclude=__pycache__ setup.py pyproject.toml README.md csrc flash_ext tests) |
   (cd "$COPY" && tar xf -)
 
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
