@@ -718,6 +718,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_accum_rows = dq_accum_rows;
   }
+  // Scratch for the dK/dV kernel's split tail walks (params.h, TailSplit): fp32 dK and dV of at most one
+  // walk (<= 128 keys) per SM, where a split may happen (plain attention over every key, atomics allowed).
+  at::Tensor dkv_accum;
+  const bool plain_full_band = !varlen.is_varlen() && p.window_left == FwdParams::kUnbounded &&
+                               p.window_right == FwdParams::kUnbounded && p.softcap == 0.f &&
+                               p.alibi_slopes == nullptr && !(options.dropout_p > 0);
+  if (!deterministic && plain_full_band) {
+    int num_sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
+    p.dkv_accum_floats = int64_t{num_sms} * 2 * 128 * head_dim_padded;
+    dkv_accum = at::empty({p.dkv_accum_floats}, q.options().dtype(at::kFloat));
+    p.dkv_accum = dkv_accum.data_ptr<float>();
+  }
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return result();
   at::Tensor rng_state_on_device;
   if (options.dropout_p > 0) set_cuda_dropout_state_from(p, rng_state, q, rng_state_on_device);

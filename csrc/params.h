@@ -172,7 +172,22 @@ struct BwdParams : FwdParams {
   // nullptr: dQ by a separate atomic-free pass.
   float* dq_accum = nullptr;
   int64_t dq_accum_rows = 0;  // its rows per head (DqAccumLayout::rows_for)
+  // CUDA, deterministic = false, plain attention over every key (no causal mask, window, varlen): scratch for
+  // the dK/dV kernel's tail walks, run in pieces whose fp32 dK and dV sums meet here (TailSplit,
+  // sm80/bwd_launch_template.cuh); dkv_accum_floats long, zeroed by the launcher where used. nullptr: no split.
+  float* dkv_accum = nullptr;
+  int64_t dkv_accum_floats = 0;
   bool deterministic = false;
+};
+
+// The dK/dV kernel walks, per CTA, one (batch, kv head, key block)'s query blocks (its "walk"); the
+// walks are numbered key block fastest, then kv head, then batch. With one CTA per SM, walks beyond the
+// last whole wave (the tail) would run alone on a few SMs for a whole walk's time; those are split into
+// `pieces` pieces (contiguous runs of the walk's (query head, query block) pairs) run by a second launch,
+// whose dK / dV sums meet in BwdParams::dkv_accum. first_walk: the first split walk (INT32_MAX: none).
+struct TailSplit {
+  int first_walk = 0x7fffffff;
+  int pieces = 1;
 };
 
 }  // namespace flash_ext

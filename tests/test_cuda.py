@@ -181,7 +181,8 @@ def test_gradients_strided_inputs_and_dout():
 
 def test_deterministic_backward_is_bitwise_reproducible():
     """deterministic=True uses no atomics: 20 runs give identical bits. (With the default, dQ is
-    summed by fp32 atomics in whatever order the CTAs reach them; dK and dV have one writer.)"""
+    summed by fp32 atomics in whatever order the CTAs reach them, and so are dK and dV of split tail
+    walks: test_gradients_with_split_tail_walks.)"""
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 300, 280, 6, 2, 96, torch.bfloat16, device="cuda"))
     dout = torch.randn(2, 300, 6, 96, dtype=torch.bfloat16, device="cuda")
     first = None
@@ -209,6 +210,34 @@ def test_atomic_dq_path_keeps_dk_dv_bitwise_and_dq_close():
             assert (fast.float() - exact.float()).abs().max().item() <= bound, "dq: the two paths differ beyond rounding"
         else:
             assert torch.equal(fast, exact), f"{name} differs between the two dQ paths"
+
+
+def split_tail_inputs(heads_per_kv, dtype=torch.bfloat16):
+    """One more dK/dV walk than the GPU has SMs (hd128: one 128-key block per kv head, 100 keys), so that
+    the last walk is a tail walk: run in pieces whose dK / dV meet in fp32 sums (TailSplit in params.h)."""
+    heads_kv = torch.cuda.get_device_properties(0).multi_processor_count + 1
+    return make_qkv(1, 1024, 100, heads_kv * heads_per_kv, heads_kv, 128, dtype, device="cuda")
+
+
+@pytest.mark.parametrize("heads_per_kv", [1, 2], ids=["mha", "gqa"])
+def test_gradients_with_split_tail_walks(heads_per_kv):
+    """Whole waves of walks plus split tail walks; with GQA a piece may cross a query-head boundary."""
+    check_gradients(*split_tail_inputs(heads_per_kv), causal=False)
+
+
+def test_split_tail_walks_are_taken():
+    """The shapes above do run the split (its dK / dV conversion kernel shows in the profile), and causal
+    attention, whose walks differ in length, does not."""
+    kernels = {}
+    for causal in (False, True):
+        q, k, v = (t.requires_grad_() for t in split_tail_inputs(2))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = flash_ext.attention(q, k, v, causal=causal)
+            out.backward(torch.randn_like(out))
+            torch.cuda.synchronize()
+        kernels[causal] = [event.key for event in prof.key_averages()]
+    assert any("convert_dkv" in name for name in kernels[False]), f"no split: {kernels[False]}"
+    assert not any("convert_dkv" in name for name in kernels[True]), f"causal was split: {kernels[True]}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

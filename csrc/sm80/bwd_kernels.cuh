@@ -98,9 +98,12 @@ __global__ void __launch_bounds__(256)
 // num_stages (1 or 2): query-block buffers in shared memory, chosen by the host (buffer_stages).
 // Tile::kExtras: softcap, ALiBi or dropout is on (common/score_mod.cuh, common/philox.h).
 // The three phases per query block and their warp tiles: BwdDkDvTile.
-template <typename Tile, typename Element>
+// kWalkPieces = false: a CTA per walk (grid: key blocks x kv heads x batch); walks from split.first_walk on
+// are left to the launch with kWalkPieces = true: a CTA per piece (grid: split.pieces x split walks), whose
+// dK / dV go to params.dkv_accum with atomics (TailSplit in params.h).
+template <typename Tile, typename Element, bool kWalkPieces>
 __global__ void __launch_bounds__(Tile::kThreads)
-    attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params, const int num_stages) {
+    attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params, const int num_stages, const TailSplit split) {
   constexpr bool kExtras = Tile::kExtras;
   constexpr int kHeadDim = Tile::kHeadDim;
   using Rows = typename Tile::Rows;            // K, V, Q, dO tiles
@@ -130,9 +133,12 @@ __global__ void __launch_bounds__(Tile::kThreads)
   float* smem_lse = reinterpret_cast<float*>(smem_dout + num_stages * kQueryTileElements);
   float* smem_d = smem_lse + num_stages * kBlockQueries;
 
-  const int key_block = blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int batch = blockIdx.z;
+  if (!kWalkPieces && blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) >= split.first_walk) return;
+  const int num_key_blocks = (params.seqlen_k + kBlockKeys - 1) / kBlockKeys;  // dense batches (pieces only)
+  const int walk = kWalkPieces ? split.first_walk + static_cast<int>(blockIdx.y) : 0;
+  const int key_block = kWalkPieces ? walk % num_key_blocks : blockIdx.x;
+  const int kv_head = kWalkPieces ? walk / num_key_blocks % params.heads_kv : blockIdx.y;
+  const int batch = kWalkPieces ? walk / num_key_blocks / params.heads_kv : blockIdx.z;
   const int len_q = static_cast<int>(params.query_span(batch).length);
   const int len_k = static_cast<int>(params.key_span(batch).length);
   const int first_key = key_block * kBlockKeys;
@@ -195,7 +201,19 @@ __global__ void __launch_bounds__(Tile::kThreads)
                                     params.v_strides.row, valid_keys);
   int head = kv_head * params.heads_per_kv();
   int query_block = first_query_block;
-  if (query_block < num_query_blocks) {
+  // A piece walks pairs [first, end) of its walk's (query head, query block) pairs, head-major.
+  int pairs_left = 0;
+  if constexpr (kWalkPieces) {
+    const int blocks_per_head = num_query_blocks - first_query_block;
+    const int64_t walk_pairs = int64_t{params.heads_per_kv()} * (blocks_per_head > 0 ? blocks_per_head : 0);
+    const int first_pair = static_cast<int>(walk_pairs * blockIdx.x / split.pieces);
+    pairs_left = static_cast<int>(walk_pairs * (blockIdx.x + 1) / split.pieces) - first_pair;
+    if (pairs_left > 0) {
+      head += first_pair / blocks_per_head;
+      query_block += first_pair % blocks_per_head;
+    }
+  }
+  if (kWalkPieces ? pairs_left > 0 : query_block < num_query_blocks) {
     load_query_block(head, query_block, 0);
   } else {
     cp_async_commit();
@@ -220,13 +238,13 @@ __global__ void __launch_bounds__(Tile::kThreads)
   const int thread_key = first_key + score_first_key + lane / 4;
   const int thread_query = score_first_query + 2 * (lane % 4);
 
-  for (int stage = 0; head < end_head;) {
+  for (int stage = 0; kWalkPieces ? pairs_left > 0 : head < end_head;) {
     int next_head = head, next_query_block = query_block + 1;
     if (next_query_block == num_query_blocks) {
       next_query_block = first_query_block;
       ++next_head;
     }
-    const bool has_next = next_head < end_head;
+    const bool has_next = kWalkPieces ? pairs_left > 1 : next_head < end_head;
     cp_async_wait<0>();
     // This block's copies have landed for every thread; every warp is done with the previous
     // block (its buffer, Pᵀ and dSᵀ): the next block may load into that buffer now.
@@ -455,6 +473,28 @@ __global__ void __launch_bounds__(Tile::kThreads)
     head = next_head;
     query_block = next_query_block;
     if (num_stages == 2) stage ^= 1;
+    if constexpr (kWalkPieces) --pairs_left;
+  }
+
+  if constexpr (kWalkPieces) {  // this piece's share of the walk's dK and dV, scaled as below
+    float* dk_sum = params.dkv_accum + int64_t{blockIdx.y} * 2 * kBlockKeys * kHeadDim;
+    float* dv_sum = dk_sum + kBlockKeys * kHeadDim;
+#pragma unroll
+    for (int mi = 0; mi < kGradMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int key = grad_first_key + 16 * mi + lane / 4 + 8 * half;  // in the block
+#pragma unroll
+        for (int nd = 0; nd < kGradNTiles; ++nd) {
+          const int at = key * kHeadDim + grad_first_col + nd * 8 + 2 * (lane % 4);
+          atomicAdd(dv_sum + at, acc_dv[mi][nd][2 * half]);
+          atomicAdd(dv_sum + at + 1, acc_dv[mi][nd][2 * half + 1]);
+          atomicAdd(dk_sum + at, acc_dk[mi][nd][2 * half] * params.softmax_scale);
+          atomicAdd(dk_sum + at + 1, acc_dk[mi][nd][2 * half + 1] * params.softmax_scale);
+        }
+      }
+    }
+    return;
   }
 
   // Each thread writes keys grad_first_key + 16 mi + lane/4 (+ 8) and two columns per n-tile.
@@ -509,6 +549,37 @@ __global__ void __launch_bounds__(256)
                 head * params.dq_strides.head + col;
   reinterpret_cast<uint4*>(dq)[0] = first8;
   reinterpret_cast<uint4*>(dq)[1] = last8;
+}
+
+// dk and dv of the split tail walks (TailSplit) from the pieces' sums in params.dkv_accum: 8 columns of
+// one key row of dK or dV per thread.
+template <int kHeadDim, int kBlockKeys, typename Element>
+__global__ void __launch_bounds__(256)
+    attention_bwd_convert_dkv_kernel(const __grid_constant__ BwdParams params, const TailSplit split,
+                                     const int num_split_walks) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  const int64_t id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (id >= int64_t{num_split_walks} * 2 * kBlockKeys * kChunksPerRow) return;
+  const int col = id % kChunksPerRow * 8;
+  const int key_in_block = id / kChunksPerRow % kBlockKeys;
+  const bool is_dv = id / kChunksPerRow / kBlockKeys % 2 == 1;
+  const int split_walk = static_cast<int>(id / kChunksPerRow / kBlockKeys / 2);
+  const int num_key_blocks = (params.seqlen_k + kBlockKeys - 1) / kBlockKeys;
+  const int walk = split.first_walk + split_walk;
+  const int key = walk % num_key_blocks * kBlockKeys + key_in_block;
+  if (key >= params.seqlen_k) return;
+  const int kv_head = walk / num_key_blocks % params.heads_kv;
+  const int batch = walk / num_key_blocks / params.heads_kv;
+  const float4* src = reinterpret_cast<const float4*>(params.dkv_accum +
+                                                      ((int64_t{split_walk} * 2 + is_dv) * kBlockKeys + key_in_block) *
+                                                          kHeadDim +
+                                                      col);
+  const float4 a = src[0], b = src[1];
+  const TensorStrides& strides = is_dv ? params.dv_strides : params.dk_strides;
+  Element* dst = static_cast<Element*>(is_dv ? params.dv : params.dk) + batch * strides.batch +
+                 kv_head * strides.head + key * strides.row + col;
+  *reinterpret_cast<uint4*>(dst) = {pack_float2<Element>(a.x, a.y), pack_float2<Element>(a.z, a.w),
+                                    pack_float2<Element>(b.x, b.y), pack_float2<Element>(b.z, b.w)};
 }
 
 // num_stages (1 or 2): key-block buffers in shared memory, chosen by the host (buffer_stages).

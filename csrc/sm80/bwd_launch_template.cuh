@@ -33,6 +33,43 @@ int buffer_stages() {
   return ctas_per_sm(2) >= ctas_per_sm(1) ? 2 : 1;
 }
 
+// Whether and how to split the dK/dV kernel's tail walks (TailSplit, params.h). Only where every walk has
+// the same length (no causal mask, window or varlen) and the sums may use atomics (deterministic = false),
+// for plain attention. With W walks, S = SMs x CTAs per SM slots and T = W mod S tail walks, the kernel
+// without a split takes ceil(W / S) walk times; the whole waves take W / S of them, and the tail walks,
+// split into p pieces each (pieces of length / p query blocks), take ceil(T p / S) rounds of
+// (length / p + kPieceOverheadBlocks) block times: p is the cheapest of 1 .. length / 4 by that count.
+// The overhead -- a piece's K / V load, its dK / dV atomics -- is an estimate in query-block times.
+template <typename Tile>
+TailSplit plan_tail_split(const BwdParams& params, int ctas_per_sm) {
+  constexpr int kPieceOverheadBlocks = 3;
+  const bool uniform_walks = !params.is_varlen() && params.window_left == FwdParams::kUnbounded &&
+                             params.window_right == FwdParams::kUnbounded;
+  if (Tile::kExtras || !uniform_walks || params.dkv_accum == nullptr || params.dq_accum == nullptr) return {};
+  int device = 0, num_sms = 0;
+  throw_on_cuda_error(cudaGetDevice(&device), "querying the current device");
+  throw_on_cuda_error(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+                      "querying the SM count");
+  const int64_t slots = int64_t{num_sms} * ctas_per_sm;
+  const int64_t walks = int64_t{(params.seqlen_k + Tile::kBlockKeys - 1) / Tile::kBlockKeys} * params.heads_kv *
+                        params.batch;
+  const int64_t tail = walks % slots;
+  const int64_t length = int64_t{params.heads_per_kv()} * ((params.seqlen_q + Tile::kBlockQueries - 1) / Tile::kBlockQueries);
+  if (tail == 0 || slots <= 0 || tail * 2 * Tile::kBlockKeys * Tile::kHeadDim > params.dkv_accum_floats) return {};
+  int64_t best_pieces = 1;
+  double best_cost = static_cast<double>(length);
+  for (int64_t pieces = 2; pieces <= length / 4; ++pieces) {
+    const double cost = static_cast<double>((tail * pieces + slots - 1) / slots) *
+                        (static_cast<double>(length) / pieces + kPieceOverheadBlocks);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best_pieces = pieces;
+    }
+  }
+  if (best_pieces == 1) return {};
+  return {static_cast<int>(walks - tail), static_cast<int>(best_pieces)};
+}
+
 template <Elem16 kElem, int kHeadDim>
 void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   using DqTile = BwdDqTile<kHeadDim>;
@@ -57,11 +94,37 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
     using Tile = decltype(tile);
     const int num_stages = buffer_stages<Tile>();
     const int smem_bytes = Tile::smem_bytes(num_stages);
-    const auto kernel = attention_bwd_dkdv_kernel<Tile, Element>;
+    const auto kernel = attention_bwd_dkdv_kernel<Tile, Element, false>;
     set_smem_limit(kernel, smem_bytes, "the dK/dV kernel");
+    TailSplit split;
+    if constexpr (!Tile::kExtras) {
+      int ctas_per_sm = 0;
+      throw_on_cuda_error(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, Tile::kThreads, smem_bytes),
+          "querying the dK/dV kernel's occupancy");
+      split = plan_tail_split<Tile>(params, ctas_per_sm);
+    }
     const dim3 grid((params.seqlen_k + Tile::kBlockKeys - 1) / Tile::kBlockKeys, params.heads_kv, params.batch);
-    kernel<<<grid, Tile::kThreads, smem_bytes, stream>>>(params, num_stages);
+    kernel<<<grid, Tile::kThreads, smem_bytes, stream>>>(params, num_stages, split);
     throw_on_cuda_error(cudaGetLastError(), "launching the dK/dV kernel");
+    if constexpr (!Tile::kExtras) {
+      if (split.pieces > 1) {
+        const int num_split_walks =
+            static_cast<int>(grid.x * grid.y * grid.z - static_cast<unsigned>(split.first_walk));
+        throw_on_cuda_error(cudaMemsetAsync(params.dkv_accum, 0,
+                                            sizeof(float) * num_split_walks * 2 * Tile::kBlockKeys * kHeadDim, stream),
+                            "zeroing the dK / dV sums of the split walks");
+        const auto pieces_kernel = attention_bwd_dkdv_kernel<Tile, Element, true>;
+        set_smem_limit(pieces_kernel, smem_bytes, "the dK/dV kernel (pieces)");
+        pieces_kernel<<<dim3(split.pieces, num_split_walks), Tile::kThreads, smem_bytes, stream>>>(params, num_stages,
+                                                                                                  split);
+        throw_on_cuda_error(cudaGetLastError(), "launching the dK/dV kernel (pieces)");
+        const int64_t num_chunks = int64_t{num_split_walks} * 2 * Tile::kBlockKeys * (kHeadDim / 8);
+        attention_bwd_convert_dkv_kernel<kHeadDim, Tile::kBlockKeys, Element>
+            <<<static_cast<unsigned>((num_chunks + 255) / 256), 256, 0, stream>>>(params, split, num_split_walks);
+        throw_on_cuda_error(cudaGetLastError(), "launching the dK / dV conversion kernel");
+      }
+    }
   };
   if (extras) {
     launch_dkdv(BwdDkDvTile<kHeadDim, true>{});
