@@ -19,6 +19,7 @@ cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal
     (1, 200, 17, 2, 2, 59, True),
     (1, 65, 130, 2, 2, 256, True),
     (1, 300, 260, 2, 2, 128, True),  # forward warps skip masked key blocks above their rows
+    (1, 512, 200, 4, 2, 128, False),  # the dK/dV walks run split in pieces (TailSplit), crossing query heads
 ]
 for batch, sq, sk, hq, hkv, hd, causal in cases:
     q = torch.randn(batch, sq, hq, hd, device="cuda", dtype=torch.bfloat16)
