@@ -6,6 +6,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -718,8 +719,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_accum_rows = dq_accum_rows;
   }
-  // Scratch for the dK/dV kernel's split tail walks (params.h, TailSplit): fp32 dK and dV of at most one
-  // walk (<= 128 keys) per SM, where a split may happen (plain attention over every key, atomics allowed).
+  // Scratch for the dK/dV kernel's split tail walks (params.h, TailSplit), where a split may happen (plain
+  // attention over every key, atomics allowed): fp32 dK and dV of up to one walk per SM (a walk covers 64
+  // or 128 keys; fewer walks than SMs where the problem has fewer), independent of seqlen: at most
+  // SMs x 2 x 128 x head_dim floats (17 MiB at head_dim 128 on an H200). The launcher zeroes what it uses.
   at::Tensor dkv_accum;
   const bool plain_full_band = !varlen.is_varlen() && p.window_left == FwdParams::kUnbounded &&
                                p.window_right == FwdParams::kUnbounded && p.softcap == 0.f &&
@@ -727,7 +730,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
   if (!deterministic && plain_full_band) {
     int num_sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
-    p.dkv_accum_floats = int64_t{num_sms} * 2 * 128 * head_dim_padded;
+    const int64_t max_walks = (int64_t{p.seqlen_k} + 63) / 64 * p.heads_kv * p.batch;
+    p.dkv_accum_floats = std::min<int64_t>(num_sms, max_walks) * 2 * 128 * head_dim_padded;
     dkv_accum = at::empty({p.dkv_accum_floats}, q.options().dtype(at::kFloat));
     p.dkv_accum = dkv_accum.data_ptr<float>();
   }
