@@ -54,7 +54,8 @@ TailSplit plan_tail_split(const BwdParams& params, int ctas_per_sm) {
   const int64_t walks = int64_t{(params.seqlen_k + Tile::kBlockKeys - 1) / Tile::kBlockKeys} * params.heads_kv *
                         params.batch;
   const int64_t tail = walks % slots;
-  const int64_t length = int64_t{params.heads_per_kv()} * ((params.seqlen_q + Tile::kBlockQueries - 1) / Tile::kBlockQueries);
+  const int64_t length =  // (query head, query block) pairs per walk
+      int64_t{params.heads_per_kv()} * ((params.seqlen_q + Tile::kBlockQueries - 1) / Tile::kBlockQueries);
   if (tail == 0 || slots <= 0 || tail * 2 * Tile::kBlockKeys * Tile::kHeadDim > params.dkv_accum_floats) return {};
   int64_t best_pieces = 1;
   double best_cost = static_cast<double>(length);
