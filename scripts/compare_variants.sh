@@ -4,7 +4,8 @@
 # `/.exp/` in .git/info/exclude and `.exp` in the device run's carry). Each is built in place for the
 # local GPU and benchmarked with the same bench_attention.py arguments; with --tests, its CUDA tests run
 # too; with --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
-# table (--features=score_mods: only some of its groups, a comma list, see its --only). One file per version comes back: $OUT/<name>.txt (build status, ptxas summary, test line, tables).
+# table (--features=score_mods: only some of its groups, a comma list, see its --only). One file per
+# version comes back: $OUT/<name>.txt (build status, ptxas summary, test line, tables).
 #
 #   bash scripts/compare_variants.sh [--tests] [--features[=GROUPS]] [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
