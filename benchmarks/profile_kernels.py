@@ -21,12 +21,15 @@ parser.add_argument("--causal", action="store_true")
 parser.add_argument("--backward", action="store_true", help="also run the backward (deterministic=False)")
 parser.add_argument("--impl", choices=["flash_ext", "sdpa_flash"], default="flash_ext",
                     help="sdpa_flash: PyTorch SDPA's FlashAttention-2 backend, to profile beside ours")
+parser.add_argument("--softcap", type=float, default=0.0, help="flash_ext only: > 0 runs the softcap kernels")
 args = parser.parse_args()
+if args.softcap > 0 and args.impl != "flash_ext":
+    parser.error("--softcap needs --impl flash_ext (SDPA has no softcap)")
 
 
 def attention(q, k, v):
     if args.impl == "flash_ext":
-        return flash_ext.attention(q, k, v, causal=args.causal)
+        return flash_ext.attention(q, k, v, causal=args.causal, softcap=args.softcap)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               is_causal=args.causal).transpose(1, 2)

@@ -15,8 +15,9 @@
 #                   racecheck (sanitize.log; a finding counts as a test failure)
 #   --profile       after the tests, benchmarks/kernel_breakdown.py (per-kernel time of the backward, ours and
 #                   FA2's: breakdown.txt) and Nsight Compute of our kernels beside FA2's (8k; the cases in
-#                   GPU_CHECK_NCU_CASES, default "bwd:128 fwd:256"; GPU_CHECK_NCU_SOURCE=1 adds the SourceCounters
-#                   section, the SASS lines with the most stall samples: ncu.txt)
+#                   GPU_CHECK_NCU_CASES, default "bwd:128 fwd:256"; "fwdcap:128": our forward plain and with
+#                   softcap 30, no FA2; GPU_CHECK_NCU_SOURCE=1 adds the SourceCounters section, the SASS lines
+#                   with the most stall samples: ncu.txt; every case reports each pipe's utilisation)
 #   --features      after the benchmark, benchmarks/bench_features.py (varlen, window, softcap, ALiBi;
 #                   features.json/.txt) and benchmarks/memory_scaling.py (memory.json/.txt)
 #   -- ARGS         passed on to benchmarks/bench_attention.py (e.g. -- --ops fwd --head-dims 64)
@@ -234,7 +235,7 @@ EOF
     local ncu_args=(--clock-control none --launch-skip 2 --launch-count 1 --section SpeedOfLight
                     --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis_Tables
                     --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy
-                    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
+                    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_[a-z_]+\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_[a-z_]+_cycles_active\.avg\.pct_of_peak_sustained_active")
     [ "${GPU_CHECK_NCU_SOURCE:-0}" = 1 ] && ncu_args+=(--section SourceCounters)
     # Each case (op:head_dim) profiles our kernel and FA2's at that shape (bf16, 8k).
     local ncu_case op hd specs=() spec name script_args
@@ -243,6 +244,8 @@ EOF
       hd=${ncu_case#*:}
       if [ "$op" = bwd ]; then
         specs+=("attention_bwd_dkdv|--backward --head-dim $hd" "flash_bwd_dq_dk_dv|--backward --head-dim $hd --impl sdpa_flash")
+      elif [ "$op" = fwdcap ]; then
+        specs+=("attention_fwd|--head-dim $hd" "attention_fwd|--head-dim $hd --softcap 30")
       else
         specs+=("attention_fwd|--head-dim $hd" "flash_fwd_kernel|--head-dim $hd --impl sdpa_flash")
       fi
