@@ -19,6 +19,7 @@ Exit status: 0 ok (unsupported impl/op pairs are notes, not errors); 2 no GPU; 3
 (rows so far are written); 4 --time-budget-s cut the sweep short; 5 flash_ext failed a correctness check.
 """
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib.util
@@ -34,8 +35,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 OPS = ("fwd", "bwd", "fwd_bwd")
-IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_ext_deterministic")
-# flash_ext_deterministic (deterministic=True: no atomic dQ) is measured only when asked for.
+IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_ext_deterministic", "flash_ext_sm80")
+# flash_ext_deterministic (deterministic=True: no atomic dQ) and flash_ext_sm80 (FLASH_EXT_DISABLE_SM90=1:
+# the sm80 forward on a Hopper GPU) are measured only when asked for.
 DEFAULT_IMPLS = IMPLS[:4]
 SDPA_BACKEND_NAMES = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
@@ -62,6 +64,20 @@ def parse_int_list(text):
     if not values:
         raise argparse.ArgumentTypeError(f"empty list: {text!r}")
     return values
+
+
+@contextlib.contextmanager
+def env_set(name, value):
+    """os.environ[name] = value inside the block (flash_ext reads FLASH_EXT_DISABLE_SM90 per call)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def parse_choice_list(choices):
@@ -447,6 +463,8 @@ class Bench:
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     def backend_ctx(self, impl):
+        if impl == "flash_ext_sm80":
+            return env_set("FLASH_EXT_DISABLE_SM90", "1")
         if impl.startswith("flash_ext"):
             import contextlib
 

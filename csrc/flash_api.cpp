@@ -28,6 +28,7 @@
 #include <cuda_runtime_api.h>
 
 #include "sm80/dispatch.h"
+#include "sm90/dispatch.h"
 #endif
 
 namespace flash_ext {
@@ -660,7 +661,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda_impl(const at::Tensor& q
   p.head_dim = static_cast<int>(head_dim_padded);
   if (p.seqlen_q == 0) return result();  // varlen with every sequence empty of queries
   if (options.dropout_p > 0) set_cuda_dropout_state(p, rng_state);
-  sm80::run_attention_fwd_dispatch(p, c10::cuda::getCurrentCUDAStream().stream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (!sm90::try_run_attention_fwd(p, stream)) sm80::run_attention_fwd_dispatch(p, stream);
   return result();
 }
 

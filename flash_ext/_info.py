@@ -1,7 +1,10 @@
 """flash_ext.info() and kernel_path(): what was built, what device is here, which path a call takes."""
+import os
+
 import torch
 
 SUPPORTED_CUDA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+SM90_FORWARD_HEAD_DIMS = (128,)  # scripts/generate_instantiations.py, SM90_FWD_HEAD_DIMS
 
 
 def _build():
@@ -24,9 +27,21 @@ def kernel_path(q, k=None, v=None, *, causal=False):
         return f"none: head_dim {head_dim} > 256 is not supported"
     major, minor = torch.cuda.get_device_capability(q.device)
     pad = f", head_dim padded {head_dim}->{padded}" if padded != head_dim else ""
+    if sm90_forward_available(q.device, padded):
+        kernels = "sm90 wgmma + TMA forward (dense batches; varlen: sm80), sm80 mma.sync backward"
+    else:
+        kernels = "sm80 mma.sync forward and backward"
+    return f"cuda {kernels} (head_dim {padded}{pad}, {q.dtype}, causal={causal}) on sm_{major}{minor}"
+
+
+def sm90_forward_available(device, padded_head_dim):
+    """Whether a dense CUDA forward at this (padded) head dim runs the sm90 kernel (csrc/sm90/dispatch.h)."""
+    _, archs = _build()
     return (
-        f"cuda sm80 mma.sync forward and backward (head_dim {padded}{pad}, {q.dtype}, causal={causal}) "
-        f"on sm_{major}{minor}"
+        torch.cuda.get_device_capability(device) == (9, 0)
+        and "90a" in archs
+        and padded_head_dim in SM90_FORWARD_HEAD_DIMS
+        and os.environ.get("FLASH_EXT_DISABLE_SM90") != "1"
     )
 
 

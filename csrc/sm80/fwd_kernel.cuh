@@ -19,112 +19,17 @@
 #include <cstdint>
 
 #include "../common/band_mask.cuh"
-#include "../common/dropout_bits.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/philox.h"
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
+#include "../common/score_tile.cuh"
 #include "../common/tile_copy.cuh"
 #include "../common/warp_gemm.cuh"
 #include "../params.h"
 #include "fwd_tile_config.h"
 
 namespace flash_ext::sm80 {
-
-// Sets to -inf the scores of keys outside their row's band (past the end of the sequence, or
-// outside the causal / sliding window).
-template <int kMTiles, int kNTilesS>
-__device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
-                                            const BandMask& band) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = first_row + mi * 16 + lane / 4 + 8 * half;
-      const int key_begin = band.begin(row), key_end = band.end(row);
-#pragma unroll
-      for (int nj = 0; nj < kNTilesS; ++nj) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = first_key + nj * 8 + 2 * (lane % 4) + e;
-          if (key < key_begin || key >= key_end) acc_s[mi][nj][2 * half + e] = -INFINITY;
-        }
-      }
-    }
-  }
-}
-
-// Replaces raw q.k scores by their modified scores (softcap, ALiBi) in the forward's score units
-// (params.h, fwd_score_scale: with softcap, tanh values; the softmax scale carries the cap). Softcap and
-// ALiBi are separate passes under uniform branches: in one pass, the step a call does not use stays in
-// the code predicated off and still costs its issue slots (5 instructions per score for either alone
-// instead of 3 for softcap, 2 for ALiBi; the forward with either was +21-22% over plain attention at
-// hd128, 8k on the H200 once plain attention no longer waited on its copies).
-template <int kMTiles, int kNTilesS>
-__device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
-                                              const ScoreMod& mod) {
-  const int lane = threadIdx.x % 32;
-  if (mod.has_softcap()) {
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-      for (int nj = 0; nj < kNTilesS; ++nj) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc_s[mi][nj][r] = mod.fwd_tanh(acc_s[mi][nj][r]);
-      }
-    }
-  }
-  if (mod.has_alibi()) {
-    const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float row_on_diagonal = mod.row_on_diagonal(first_row + mi * 16 + lane / 4 + 8 * half);
-#pragma unroll
-        for (int nj = 0; nj < kNTilesS; ++nj) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& score = acc_s[mi][nj][2 * half + e];
-            score = mod.fwd_with_alibi(score, row_on_diagonal, first_key_of_thread + (nj * 8 + e));
-          }
-        }
-      }
-    }
-  }
-}
-
-// Dropout on unnormalised probabilities, after the online softmax took them into the row sums (lse is
-// that of the undropped softmax), applied to P in 16 bits (the A fragments of P·V, from
-// accumulator_to_a_fragments): zeroing a 16-bit half is zeroing the fp32 value before rounding, and the
-// Philox calls then run while the fp32 score tile is dead (on the fp32 tile ptxas spilled 8 B in the
-// hd128 kernel, CUDA 13.0, sm_90a). The keep bits come from common/dropout_bits.cuh.
-template <int kMTiles, int kKSteps>
-__device__ __forceinline__ void drop_probabilities(uint32_t (&p_frag)[kMTiles][kKSteps][4], int first_row,
-                                                   int first_key, const FwdParams& params) {
-  const int lane = threadIdx.x % 32;
-  // Formed here, per key block, rather than kept in registers across the main loop.
-  const PhiloxSeedOffset rng = philox_seed_offset(params);
-  const uint64_t batch_head = static_cast<uint64_t>(blockIdx.z) * params.heads_q + blockIdx.y;
-#pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = first_row + mi * 16 + lane / 4 + 8 * half;
-      // Bit 2 * nj + e: column nj * 8 + 2 * (lane % 4) + e is kept.
-      const uint32_t keep_bits =
-          row_keep_bits<2 * kKSteps>(rng, batch_head, row, first_key, params.dropout_threshold);
-#pragma unroll
-      for (int nj = 0; nj < 2 * kKSteps; ++nj) {
-        // n-tile nj is register 2 * (nj % 2) + half of k-step nj / 2; element e is its half e.
-        const uint32_t bits = keep_bits >> (2 * nj) & 3u;
-        const uint32_t keep_mask = (bits & 1u ? 0x0000ffffu : 0u) | (bits & 2u ? 0xffff0000u : 0u);
-        p_frag[mi][nj / 2][2 * (nj % 2) + half] &= keep_mask;
-      }
-    }
-  }
-}
 
 template <typename Config, typename Element, bool kExtras>
 __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCtasPerSm)

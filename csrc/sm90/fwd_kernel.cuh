@@ -1,0 +1,301 @@
+// Hopper (sm_90a) forward kernel: TMA loads and asynchronous warpgroup MMA (wgmma).
+//
+// Why a second forward: on mma.sync the tensor pipe and the softmax's MUFU work (exp2, softcap's tanh)
+// ran one after the other (benchmarks/NOTES.md, stop 14: softcap cost +16% time, one MUFU op per
+// score), and mma.sync peaks near 2/3 of the H200's tensor rate. A wgmma runs in the background of the
+// warpgroup that issued it, so one warpgroup's softmax overlaps the other's GEMMs.
+//
+// One CTA computes kBlockM = 128 query rows of one (batch, head) with 9 warps:
+//   warps 0-7: two consumer warpgroups, each owning 64 rows (wgmma's M). Per key block of kBlockN keys:
+//     S = Q Kᵀ (wgmma, Q and K from shared memory), wait; mask / softcap / ALiBi, online softmax in
+//     registers (the m64 accumulator gives each warp the mma.sync layout of 16 rows, so
+//     common/online_softmax.cuh and common/score_tile.cuh apply unchanged); P in 16 bits as the
+//     register A operand of O += P V (wgmma, V from shared memory), issued and not waited for: it runs
+//     while the warpgroup waits for the next K and issues the next S.
+//   warp 8: the producer. One lane issues the TMA loads: Q once, then K and V of each key block into
+//     one of kStages buffers, each guarded by a "full" mbarrier (TMA's transaction bytes) and an
+//     "empty" one (the 8 consumer warps arrive once the wgmmas that read the buffer completed).
+// Shared memory holds every tile in the 128-byte swizzled layout that TMA writes and wgmma reads
+// (ptx_sm90.cuh, swizzle128_descriptor): per 64 columns of the head dim one region of rows x 128 B.
+//
+// Key blocks are visited from the last to the first (for causal the diagonal blocks, which need the
+// element-wise mask, come first); only the blocks inside the row block's band are visited. Rows and
+// keys past the sequence's end arrive from TMA as zeros; their scores are masked, their rows not stored.
+// Dense batches only (flash_api.cpp sends variable-length batches to the sm80 kernel).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a type only; no driver calls in device code)
+
+#include <cstdint>
+
+#include "../common/band_mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "../common/ptx.cuh"
+#include "../common/score_mod.cuh"
+#include "../common/score_tile.cuh"
+#include "../common/warp_gemm.cuh"
+#include "../params.h"
+#include "ptx_sm90.cuh"
+#include "wgmma.cuh"
+
+namespace flash_ext::sm90 {
+
+// The TMA descriptors of q, k, v: 4-D (head_dim, seqlen, heads, batch) tensors, boxes of 64 columns
+// by kBlockM (q) or kBlockN (k, v) rows, 128-byte swizzle (built in fwd_launch_template.cuh).
+struct FwdTensorMaps {
+  CUtensorMap q, k, v;
+};
+
+template <int kHeadDim_>
+struct FwdSm90Tile {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerWarps = 8;
+  static constexpr int kThreads = (kConsumerWarps + 1) * 32;  // + the producer warp
+  // 65536 registers / 288 threads, in whole 8-register steps. ptxas otherwise caps 288 threads at 168
+  // registers (as if for 384) and serialises the wgmmas for want of registers.
+  static constexpr int kMaxRegisters = 224;
+  static constexpr int kColumnRegions = kHeadDim / 64;       // 64 16-bit columns = one 128-byte row
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKvBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+  // Q, then K[stage], then V[stage], then the barriers; +1024 to align the base (the swizzle repeats
+  // every 1024 bytes and is computed from absolute shared addresses).
+  static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKvBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 3 * kStages) + 1024;
+  static_assert(kHeadDim % 64 == 0, "whole 128-byte rows");
+};
+
+// Byte offset of (row, column) in a tile of `rows` rows stored as 64-column regions, 128-byte swizzle.
+__device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int col) {
+  const int chunk = (col % 64) / 8;
+  return (col / 64) * rows * 128 + row * 128 + ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
+}
+
+template <typename Element, int kHeadDim, bool kExtras>
+__global__ void __maxnreg__(FwdSm90Tile<kHeadDim>::kMaxRegisters)
+    attention_fwd_sm90_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ FwdTensorMaps maps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Tile = FwdSm90Tile<kHeadDim>;
+  constexpr int kBlockM = Tile::kBlockM;
+  constexpr int kBlockN = Tile::kBlockN;
+  constexpr int kStages = Tile::kStages;
+  constexpr int kNTilesS = kBlockN / 8;
+  constexpr int kNTilesO = kHeadDim / 8;
+  constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t smem_base = (smem_address(smem_raw) + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (smem_base - smem_address(smem_raw));
+  const uint32_t smem_q = smem_base;
+  auto smem_k = [&](int stage) { return smem_base + Tile::kQBytes + stage * Tile::kKvBytes; };
+  auto smem_v = [&](int stage) { return smem_base + Tile::kQBytes + (kStages + stage) * Tile::kKvBytes; };
+  const uint32_t bar_q_full = smem_base + Tile::kBarrierOffset;
+  auto bar_k_full = [&](int stage) { return bar_q_full + 8 * (1 + stage); };
+  auto bar_v_full = [&](int stage) { return bar_q_full + 8 * (1 + kStages + stage); };
+  auto bar_kv_empty = [&](int stage) { return bar_q_full + 8 * (1 + 2 * kStages + stage); };
+
+  if (kExtras && params.rng_state_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
+      threadIdx.x == 0) {
+    const PhiloxSeedOffset rng = philox_seed_offset(params);
+    params.rng_state_out[0] = static_cast<int64_t>(rng.seed);
+    params.rng_state_out[1] = static_cast<int64_t>(rng.offset);
+  }
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (causal: last) row blocks first
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_head = head / params.heads_per_kv();
+  const int len_q = params.seqlen_q;
+  const int len_k = params.seqlen_k;
+  const int first_row = m_block * kBlockM;
+  const int valid_rows = min(kBlockM, len_q - first_row);
+  const BandMask band(params, len_q, len_k);
+
+  Element* out = static_cast<Element*>(params.out) + batch * params.out_strides.batch +
+                 head * params.out_strides.head + first_row * params.out_strides.row;
+  float* lse = params.lse + params.lse_index(batch, head, first_row);
+
+  const int key_begin = band.begin(first_row);
+  const int key_end = band.end(first_row + valid_rows - 1);
+  const int first_key_block = key_begin / kBlockN;
+  const int num_key_blocks = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN : 0;
+  if (num_key_blocks == 0) {  // every row of the block sees no key: output 0, lse -inf
+    for (int i = threadIdx.x; i < valid_rows * kChunksPerRow; i += Tile::kThreads) {
+      const int row = i / kChunksPerRow, col = i % kChunksPerRow * 8;
+      *reinterpret_cast<uint4*>(out + row * params.out_strides.row + col) = make_uint4(0, 0, 0, 0);
+    }
+    for (int row = threadIdx.x; row < valid_rows; row += Tile::kThreads) lse[row] = -INFINITY;
+    return;
+  }
+  // Blocks are visited from num_key_blocks - 1 down to first_key_block. Block b needs the element-wise
+  // mask unless every row of the block sees all of its keys: b < hi_unmasked (within the first row's
+  // band end, hence within the keys) and b >= lo_unmasked (at or after the last row's band start).
+  const int last_row = first_row + valid_rows - 1;
+  const int hi_unmasked = max(first_key_block, min(num_key_blocks, band.end(first_row) / kBlockN));
+  const int lo_unmasked = min(hi_unmasked, max(first_key_block, (band.begin(last_row) + kBlockN - 1) / kBlockN));
+  const int num_blocks = num_key_blocks - first_key_block;
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    mbarrier_init(bar_q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(bar_k_full(s), 1);
+      mbarrier_init(bar_v_full(s), 1);
+      mbarrier_init(bar_kv_empty(s), Tile::kConsumerWarps);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  if (warp == Tile::kConsumerWarps) {  // the producer
+    if (lane == 0) {
+      prefetch_tensor_map(&maps.q);
+      prefetch_tensor_map(&maps.k);
+      prefetch_tensor_map(&maps.v);
+      mbarrier_arrive_expect_bytes(bar_q_full, Tile::kQBytes);
+      for (int c = 0; c < Tile::kColumnRegions; ++c) {
+        tma_load_4d(smem_q + c * kBlockM * 128, &maps.q, bar_q_full, c * 64, first_row, head, batch);
+      }
+      for (int i = 0; i < num_blocks; ++i) {
+        const int stage = i % kStages;
+        const int key_row = (num_key_blocks - 1 - i) * kBlockN;
+        if (i >= kStages) mbarrier_wait(bar_kv_empty(stage), (i / kStages - 1) & 1);
+        mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
+        for (int c = 0; c < Tile::kColumnRegions; ++c) {
+          tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, batch);
+        }
+        mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
+        for (int c = 0; c < Tile::kColumnRegions; ++c) {
+          tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, batch);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- Consumers ----
+  const int group = warp / 4;                      // consumer warpgroup: rows 64 * group .. + 63
+  const int warp_first_row = 64 * group + 16 * (warp % 4);  // within the block
+  using Mma = Wgmma<Element, kBlockN>;
+  using MmaO = Wgmma<Element, kHeadDim>;
+  static_assert(kBlockN == kHeadDim || kHeadDim == 64, "S and O tiles use the generated wgmma shapes");
+
+  // S = Q Kᵀ k-step t covers head-dim columns 16t .. 16t + 15: region t / 4, 32 bytes per step inside it.
+  auto q_descriptor = [&](int t) {
+    return swizzle128_descriptor(smem_q + (t / 4) * kBlockM * 128 + group * 64 * 128 + (t % 4) * 32, 16);
+  };
+  auto k_descriptor = [&](int stage, int t) {
+    return swizzle128_descriptor(smem_k(stage) + (t / 4) * kBlockN * 128 + (t % 4) * 32, 16);
+  };
+  // O += P V k-step t covers keys 16t .. 16t + 15; V is MN-major, its 64-column regions kBlockN rows apart.
+  auto v_descriptor = [&](int stage, int t) {
+    return swizzle128_descriptor(smem_v(stage) + t * 16 * 128, kBlockN * 128);
+  };
+
+  const ScoreMod mod(params, batch, head, len_q, len_k);  // unused without kExtras
+  float acc_o[1][kNTilesO][4] = {};  // the warp's 16 rows of O (mma.sync layout, as acc_s)
+  OnlineSoftmax<1> softmax;
+
+  mbarrier_wait(bar_q_full, 0);
+
+  auto process_key_block = [&](int i, auto is_first, auto needs_mask) {
+    const int stage = i % kStages;
+    const uint32_t parity = (i / kStages) & 1;
+    const int key_block = num_key_blocks - 1 - i;
+
+    float acc_s[1][kNTilesS][4];
+    mbarrier_wait(bar_k_full(stage), parity);
+    wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < kHeadDim / 16; ++t) Mma::template ss<0>(acc_s[0], q_descriptor(t), k_descriptor(stage, t), t);
+    wgmma_commit();
+    wgmma_wait<0>();  // this S, and the previous block's P V
+    register_fence(acc_s[0]);
+    register_fence(acc_o[0]);
+    // The previous block's buffers are no longer read by this warp.
+    if (!decltype(is_first)::value && lane == 0) mbarrier_arrive(bar_kv_empty((i - 1) % kStages));
+
+    if constexpr (kExtras) {
+      if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod);
+    }
+    if constexpr (decltype(needs_mask)::value) {
+      mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+    }
+    softmax.template update<decltype(is_first)::value>(acc_s, acc_o,
+                                                       kExtras ? params.fwd_score_scale_log2 : params.scale_log2);
+    uint32_t p_frag[1][kBlockN / 16][4];
+    accumulator_to_a_fragments<Element>(acc_s, p_frag);
+    if constexpr (kExtras) {
+      if (params.has_dropout()) drop_probabilities(p_frag, first_row + warp_first_row, key_block * kBlockN, params);
+    }
+
+    mbarrier_wait(bar_v_full(stage), parity);
+    wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t) MmaO::template rs<1>(acc_o[0], p_frag[0][t], v_descriptor(stage, t), 1);
+    wgmma_commit();
+  };
+
+  using True = std::true_type;
+  using False = std::false_type;
+  auto needs_mask = [&](int i) {
+    const int key_block = num_key_blocks - 1 - i;
+    return key_block >= hi_unmasked || key_block < lo_unmasked;
+  };
+  if (needs_mask(0)) {
+    process_key_block(0, True{}, True{});
+  } else {
+    process_key_block(0, True{}, False{});
+  }
+  for (int i = 1; i < num_blocks; ++i) {
+    if (needs_mask(i)) {
+      process_key_block(i, False{}, True{});
+    } else {
+      process_key_block(i, False{}, False{});
+    }
+  }
+  wgmma_wait<0>();
+  register_fence(acc_o[0]);
+
+  float row_lse[2];
+  softmax.finalize(acc_o, kExtras ? params.fwd_score_scale : params.softmax_scale, row_lse);
+  if constexpr (kExtras) {
+    if (params.has_dropout()) {  // kept probabilities count 1 / (1 - p)
+#pragma unroll
+      for (int j = 0; j < kNTilesO; ++j) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc_o[0][j][r] *= params.dropout_scale;
+      }
+    }
+  }
+
+  // Epilogue: the warpgroup writes its 64 rows of O (16-bit) over its own rows of the Q tile (its last
+  // S = Q Kᵀ completed; the other warpgroup reads only its own rows), then copies them out in 16-byte
+  // chunks.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = warp_first_row + lane / 4 + 8 * half;
+#pragma unroll
+    for (int j = 0; j < kNTilesO; ++j) {
+      *reinterpret_cast<uint32_t*>(smem + swizzled_offset(kBlockM, row, j * 8 + 2 * (lane % 4))) =
+          pack_float2<Element>(acc_o[0][j][2 * half], acc_o[0][j][2 * half + 1]);
+    }
+    if (lane % 4 == 0 && row < valid_rows) lse[row] = row_lse[half];
+  }
+  named_barrier_sync(1 + group, 128);
+  const int thread_in_group = threadIdx.x % 128;
+  for (int chunk_id = thread_in_group; chunk_id < 64 * kChunksPerRow; chunk_id += 128) {
+    const int row = 64 * group + chunk_id / kChunksPerRow;
+    const int col = chunk_id % kChunksPerRow * 8;
+    if (row < valid_rows) {
+      *reinterpret_cast<uint4*>(out + row * params.out_strides.row + col) =
+          *reinterpret_cast<const uint4*>(smem + swizzled_offset(kBlockM, row, col));
+    }
+  }
+#endif  // sm_90a
+}
+
+}  // namespace flash_ext::sm90

@@ -1,0 +1,106 @@
+// Thin wrappers over the Hopper (sm_90a) PTX the sm90 kernels use: mbarriers, TMA tile loads,
+// wgmma fences / commits / waits and the shared-memory matrix descriptors. Compiled only into the
+// sm_90a code of a translation unit (the same file also compiles for sm_80, where the sm90 kernels
+// are empty).
+#pragma once
+
+#include <cstdint>
+
+namespace flash_ext::sm90 {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// ---- mbarriers (64-bit shared-memory barriers with a phase bit and a transaction count) ----
+
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+
+// Makes the initialisations visible to the async proxy (TMA) before any thread uses the barriers.
+__device__ __forceinline__ void mbarrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival that also announces `bytes` of TMA data the phase must wait for.
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Blocks until the barrier's phase with parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// ---- TMA ----
+
+// A box of a 4-D tensor (coordinates innermost first: column, row, head, batch) into shared memory,
+// completing `bar`'s transaction bytes. Elements outside the tensor arrive as zeros.
+__device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const void* tensor_map, uint32_t bar, int col, int row,
+                                            int head, int batch) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(smem_dst),
+      "l"(tensor_map), "r"(bar), "r"(col), "r"(row), "r"(head), "r"(batch)
+      : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
+}
+
+// ---- wgmma ----
+
+// Orders this warp's register writes (accumulators, A fragments) before the wgmma that follows.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most kPending committed wgmma groups of this warp are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of the registers of an accumulator tile across a
+// point (between issuing a wgmma that writes them and waiting for it).
+template <int kRows, int kCols>
+__device__ __forceinline__ void register_fence(float (&tile)[kRows][kCols]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) asm volatile("" : "+f"(tile[i][j])::"memory");
+  }
+}
+
+// Named barrier over `threads` threads (a multiple of 32); id 0 is __syncthreads's.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+#endif  // sm_90a
+
+// Shared-memory matrix descriptor of a wgmma operand in the 128-byte swizzled layout, the one TMA
+// writes with CU_TENSOR_MAP_SWIZZLE_128B: rows of 64 16-bit elements (128 bytes), the 16-byte chunk c
+// of row r stored at chunk c ^ (r % 8), groups of 8 rows 1024 bytes apart; every such region starts at
+// a multiple of 1024 bytes.
+//   K-major operand (Q, K in S = Q Kᵀ): `start` at row 0 of the operand and the k-step's 32-byte column
+//     offset within the 128-byte row; the leading offset is unused; the stride is 8 rows (1024 B).
+//   MN-major operand (V in O = P V): `start` at the k-step's first key row; the leading offset is the
+//     distance between 64-column regions of the head dim; the stride is 8 rows of keys (1024 B).
+__host__ __device__ constexpr uint64_t swizzle128_descriptor(uint32_t start, uint32_t leading_bytes) {
+  return (uint64_t{(start & 0x3FFFF) >> 4}) | (uint64_t{(leading_bytes >> 4) & 0x3FFF} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+}  // namespace flash_ext::sm90
