@@ -5,16 +5,19 @@
 // score), and mma.sync peaks near 2/3 of the H200's tensor rate. A wgmma runs in the background of the
 // warpgroup that issued it, so one warpgroup's softmax overlaps the other's GEMMs.
 //
-// One CTA computes kBlockM = 128 query rows of one (batch, head) with 9 warps:
-//   warps 0-7: two consumer warpgroups, each owning 64 rows (wgmma's M). Per key block of kBlockN keys:
+// One CTA computes kBlockM = 128 query rows of one (batch, head) with two warpgroups, each owning 64
+// rows (wgmma's M). Per key block of kBlockN keys:
 //     S = Q Kᵀ (wgmma, Q and K from shared memory), wait; mask / softcap / ALiBi, online softmax in
 //     registers (the m64 accumulator gives each warp the mma.sync layout of 16 rows, so
 //     common/online_softmax.cuh and common/score_tile.cuh apply unchanged); P in 16 bits as the
 //     register A operand of O += P V (wgmma, V from shared memory), issued and not waited for: it runs
 //     while the warpgroup waits for the next K and issues the next S.
-//   warp 8: the producer. One lane issues the TMA loads: Q once, then K and V of each key block into
-//     one of kStages buffers, each guarded by a "full" mbarrier (TMA's transaction bytes) and an
-//     "empty" one (the 8 consumer warps arrive once the wgmmas that read the buffer completed).
+// K and V of each key block arrive by TMA in one of kStages buffers, each with a "full" mbarrier per
+// tile (TMA's transaction bytes). Thread 0 issues Q and the first kStages blocks; after that, a buffer
+// is reloaded (with the block kStages further on) by whichever warp is the last of the 8 to finish with
+// it (a shared-memory counter per buffer), so no warp waits for another to release a buffer. (A
+// producer warp beside the 8 did not launch: registers are allocated per 4 warps, so 9 warps cost 12
+// warps' registers, and at 65536 / 384 = 168 per thread ptxas serialised the wgmmas.)
 // Shared memory holds every tile in the 128-byte swizzled layout that TMA writes and wgmma reads
 // (ptx_sm90.cuh, swizzle128_descriptor): per 64 columns of the head dim one region of rows x 128 B.
 //
@@ -49,21 +52,22 @@ struct FwdTensorMaps {
 template <int kHeadDim_>
 struct FwdSm90Tile {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows
+  static constexpr int kBlockM = 128;  // 2 warpgroups x 64 rows
   static constexpr int kBlockN = 128;
-  static constexpr int kStages = 2;
-  static constexpr int kConsumerWarps = 8;
-  static constexpr int kThreads = (kConsumerWarps + 1) * 32;  // + the producer warp
-  // 65536 registers / 288 threads, in whole 8-register steps. ptxas otherwise caps 288 threads at 168
-  // registers (as if for 384) and serialises the wgmmas for want of registers.
-  static constexpr int kMaxRegisters = 224;
+  // Three buffers: a buffer is released once both warpgroups finished its block (its P V done), and its
+  // reload then has two blocks' time to land. 32 + 3 x 64 KB = 224 KB of shared memory at hd128.
+  static constexpr int kStages = 3;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
   static constexpr int kColumnRegions = kHeadDim / 64;       // 64 16-bit columns = one 128-byte row
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKvBytes = kBlockN * kHeadDim * 2;  // one K or V tile
-  // Q, then K[stage], then V[stage], then the barriers; +1024 to align the base (the swizzle repeats
-  // every 1024 bytes and is computed from absolute shared addresses).
+  // Q, then K[stage], then V[stage], then the mbarriers (q, k[stage], v[stage]) and the release
+  // counters (one int per stage); +1024 to align the base (the swizzle repeats every 1024 bytes and is
+  // computed from absolute shared addresses).
   static constexpr int kBarrierOffset = kQBytes + 2 * kStages * kKvBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 8 * (1 + 3 * kStages) + 1024;
+  static constexpr int kCounterOffset = kBarrierOffset + 8 * (1 + 2 * kStages);
+  static constexpr int kSmemBytes = kCounterOffset + 4 * kStages + 1024;
   static_assert(kHeadDim % 64 == 0, "whole 128-byte rows");
 };
 
@@ -74,7 +78,7 @@ __device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int col) 
 }
 
 template <typename Element, int kHeadDim, bool kExtras>
-__global__ void __maxnreg__(FwdSm90Tile<kHeadDim>::kMaxRegisters)
+__global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
     attention_fwd_sm90_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ FwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = FwdSm90Tile<kHeadDim>;
@@ -94,7 +98,7 @@ __global__ void __maxnreg__(FwdSm90Tile<kHeadDim>::kMaxRegisters)
   const uint32_t bar_q_full = smem_base + Tile::kBarrierOffset;
   auto bar_k_full = [&](int stage) { return bar_q_full + 8 * (1 + stage); };
   auto bar_v_full = [&](int stage) { return bar_q_full + 8 * (1 + kStages + stage); };
-  auto bar_kv_empty = [&](int stage) { return bar_q_full + 8 * (1 + 2 * kStages + stage); };
+  int* release_count = reinterpret_cast<int*>(smem + Tile::kCounterOffset);  // per stage: warps done with it
 
   if (kExtras && params.rng_state_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
       threadIdx.x == 0) {
@@ -139,45 +143,54 @@ __global__ void __maxnreg__(FwdSm90Tile<kHeadDim>::kMaxRegisters)
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  // K and V of the i-th visited block into buffer i % kStages.
+  auto load_key_block = [&](int i) {
+    const int stage = i % kStages;
+    const int key_row = (num_key_blocks - 1 - i) * kBlockN;
+    mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
+    for (int c = 0; c < Tile::kColumnRegions; ++c) {
+      tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, batch);
+    }
+    mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
+    for (int c = 0; c < Tile::kColumnRegions; ++c) {
+      tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, batch);
+    }
+  };
   if (threadIdx.x == 0) {
     mbarrier_init(bar_q_full, 1);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(bar_k_full(s), 1);
       mbarrier_init(bar_v_full(s), 1);
-      mbarrier_init(bar_kv_empty(s), Tile::kConsumerWarps);
+      release_count[s] = 0;
     }
     mbarrier_init_fence();
   }
   __syncthreads();
-
-  if (warp == Tile::kConsumerWarps) {  // the producer
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&maps.q);
+    prefetch_tensor_map(&maps.k);
+    prefetch_tensor_map(&maps.v);
+    mbarrier_arrive_expect_bytes(bar_q_full, Tile::kQBytes);
+    for (int c = 0; c < Tile::kColumnRegions; ++c) {
+      tma_load_4d(smem_q + c * kBlockM * 128, &maps.q, bar_q_full, c * 64, first_row, head, batch);
+    }
+    for (int i = 0; i < min(num_blocks, kStages); ++i) load_key_block(i);
+  }
+  // Called by each warp once the wgmmas that read block i's buffers completed: the last of the 8 warps
+  // reloads the buffer with block i + kStages.
+  auto release_key_block = [&](int i) {
     if (lane == 0) {
-      prefetch_tensor_map(&maps.q);
-      prefetch_tensor_map(&maps.k);
-      prefetch_tensor_map(&maps.v);
-      mbarrier_arrive_expect_bytes(bar_q_full, Tile::kQBytes);
-      for (int c = 0; c < Tile::kColumnRegions; ++c) {
-        tma_load_4d(smem_q + c * kBlockM * 128, &maps.q, bar_q_full, c * 64, first_row, head, batch);
-      }
-      for (int i = 0; i < num_blocks; ++i) {
-        const int stage = i % kStages;
-        const int key_row = (num_key_blocks - 1 - i) * kBlockN;
-        if (i >= kStages) mbarrier_wait(bar_kv_empty(stage), (i / kStages - 1) & 1);
-        mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
-        for (int c = 0; c < Tile::kColumnRegions; ++c) {
-          tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, batch);
-        }
-        mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
-        for (int c = 0; c < Tile::kColumnRegions; ++c) {
-          tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, batch);
-        }
+      const int stage = i % kStages;
+      __threadfence_block();
+      if (atomicAdd(&release_count[stage], 1) == Tile::kWarps - 1) {
+        release_count[stage] = 0;
+        __threadfence_block();
+        if (i + kStages < num_blocks) load_key_block(i + kStages);
       }
     }
-    return;
-  }
+  };
 
-  // ---- Consumers ----
-  const int group = warp / 4;                      // consumer warpgroup: rows 64 * group .. + 63
+  const int group = warp / 4;  // warpgroup: rows 64 * group .. + 63
   const int warp_first_row = 64 * group + 16 * (warp % 4);  // within the block
   using Mma = Wgmma<Element, kBlockN>;
   using MmaO = Wgmma<Element, kHeadDim>;
@@ -216,7 +229,7 @@ __global__ void __maxnreg__(FwdSm90Tile<kHeadDim>::kMaxRegisters)
     register_fence(acc_s[0]);
     register_fence(acc_o[0]);
     // The previous block's buffers are no longer read by this warp.
-    if (!decltype(is_first)::value && lane == 0) mbarrier_arrive(bar_kv_empty((i - 1) % kStages));
+    if (!decltype(is_first)::value) release_key_block(i - 1);
 
     if constexpr (kExtras) {
       if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod);
