@@ -4,7 +4,7 @@ import os
 import torch
 
 SUPPORTED_CUDA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-SM90_FORWARD_HEAD_DIMS = (128,)  # scripts/generate_instantiations.py, SM90_FWD_HEAD_DIMS
+SM90_FORWARD_HEAD_DIMS = (64, 128, 256)  # scripts/generate_instantiations.py, SM90_FWD_HEAD_DIMS
 
 
 def _build():

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "launch.h"
 
@@ -18,9 +19,18 @@ inline bool sm90_disabled() {
 
 // Runs the sm90 forward where it takes the call (launch.h); false: the caller runs the sm80 one.
 inline bool try_run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
-  if (sm90_disabled() || params.head_dim != 128) return false;
-  if (params.dtype == DType::kBFloat16) return run_attention_fwd<Elem16::kBFloat16, 128>(params, stream);
-  if (params.dtype == DType::kFloat16) return run_attention_fwd<Elem16::kFloat16, 128>(params, stream);
+  if (sm90_disabled()) return false;
+  auto for_dtype = [&](auto elem) {
+    constexpr Elem16 kElem = decltype(elem)::value;
+    switch (params.head_dim) {
+      case 64: return run_attention_fwd<kElem, 64>(params, stream);
+      case 128: return run_attention_fwd<kElem, 128>(params, stream);
+      case 256: return run_attention_fwd<kElem, 256>(params, stream);
+      default: return false;  // other head dims: the sm80 kernels
+    }
+  };
+  if (params.dtype == DType::kBFloat16) return for_dtype(std::integral_constant<Elem16, Elem16::kBFloat16>{});
+  if (params.dtype == DType::kFloat16) return for_dtype(std::integral_constant<Elem16, Elem16::kFloat16>{});
   return false;
 }
 

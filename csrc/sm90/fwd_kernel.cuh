@@ -53,10 +53,13 @@ template <int kHeadDim_>
 struct FwdSm90Tile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;  // 2 warpgroups x 64 rows
-  static constexpr int kBlockN = 128;
+  // Registers per thread: the O accumulator holds head_dim / 2 floats, the score tile kBlockN / 2; at
+  // head_dim 256 (128 for O) the score tile gets 64 keys.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   // Three buffers: a buffer is released once both warpgroups finished its block (its P V done), and its
-  // reload then has two blocks' time to land. 32 + 3 x 64 KB = 224 KB of shared memory at hd128.
-  static constexpr int kStages = 3;
+  // reload then has two blocks' time to land. Shared memory at hd128: 32 + 3 x 64 KB = 224 KB; at hd256
+  // only two fit (64 + 2 x 64 KB).
+  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kColumnRegions = kHeadDim / 64;       // 64 16-bit columns = one 128-byte row
@@ -77,7 +80,10 @@ __device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int col) 
   return (col / 64) * rows * 128 + row * 128 + ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
 }
 
-template <typename Element, int kHeadDim, bool kExtras>
+// kExtras: softcap and ALiBi (common/score_mod.cuh); kDropout (implies kExtras): dropout too. Dropout is a
+// variant of its own: its Philox rounds beside the in-flight accumulators made ptxas serialise the wgmmas
+// of the whole kernel (CUDA 13.0, C7511), softcap and ALiBi alone do not.
+template <typename Element, int kHeadDim, bool kExtras, bool kDropout>
 __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
     attention_fwd_sm90_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ FwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -100,7 +106,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   auto bar_v_full = [&](int stage) { return bar_q_full + 8 * (1 + kStages + stage); };
   int* release_count = reinterpret_cast<int*>(smem + Tile::kCounterOffset);  // per stage: warps done with it
 
-  if (kExtras && params.rng_state_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
+  static_assert(kExtras || !kDropout, "the dropout variant includes softcap and ALiBi");
+  if (kDropout && params.rng_state_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
       threadIdx.x == 0) {
     const PhiloxSeedOffset rng = philox_seed_offset(params);
     params.rng_state_out[0] = static_cast<int64_t>(rng.seed);
@@ -194,7 +201,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   const int warp_first_row = 64 * group + 16 * (warp % 4);  // within the block
   using Mma = Wgmma<Element, kBlockN>;
   using MmaO = Wgmma<Element, kHeadDim>;
-  static_assert(kBlockN == kHeadDim || kHeadDim == 64, "S and O tiles use the generated wgmma shapes");
 
   // S = Q Kᵀ k-step t covers head-dim columns 16t .. 16t + 15: region t / 4, 32 bytes per step inside it.
   auto q_descriptor = [&](int t) {
@@ -241,7 +247,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
                                                        kExtras ? params.fwd_score_scale_log2 : params.scale_log2);
     uint32_t p_frag[1][kBlockN / 16][4];
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
-    if constexpr (kExtras) {
+    if constexpr (kDropout) {
       if (params.has_dropout()) drop_probabilities(p_frag, first_row + warp_first_row, key_block * kBlockN, params);
     }
 
@@ -275,7 +281,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
 
   float row_lse[2];
   softmax.finalize(acc_o, kExtras ? params.fwd_score_scale : params.softmax_scale, row_lse);
-  if constexpr (kExtras) {
+  if constexpr (kDropout) {
     if (params.has_dropout()) {  // kept probabilities count 1 / (1 - p)
 #pragma unroll
       for (int j = 0; j < kNTilesO; ++j) {

@@ -92,9 +92,10 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
                       "querying the compute capability");
   if (major != 9 || minor != 0) return false;
 
-  const bool extras = params.softcap > 0.f || params.alibi_slopes != nullptr || params.has_dropout();
-  const auto kernel = extras ? attention_fwd_sm90_kernel<Element, kHeadDim, true>
-                             : attention_fwd_sm90_kernel<Element, kHeadDim, false>;
+  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  const auto kernel = params.has_dropout() ? attention_fwd_sm90_kernel<Element, kHeadDim, true, true>
+                      : score_mods         ? attention_fwd_sm90_kernel<Element, kHeadDim, true, false>
+                                           : attention_fwd_sm90_kernel<Element, kHeadDim, false, false>;
   if (!has_sm90_code(kernel)) return false;
 
   const TensorStrides q_strides =
@@ -108,7 +109,6 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
     return false;
   }
   FwdTensorMaps maps;
-  static_assert(Tile::kBlockM == Tile::kBlockN, "one box height for q, k and v");
   if (!encode_tensor_map<Element, Tile::kBlockM>(&maps.q, params.q, q_strides, params.seqlen_q, params.heads_q,
                                                  params.batch, kHeadDim) ||
       !encode_tensor_map<Element, Tile::kBlockN>(&maps.k, params.k, k_strides, params.seqlen_k, params.heads_kv,
