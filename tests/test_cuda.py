@@ -337,7 +337,7 @@ def test_cuda_graph_capture():
     assert not torch.equal(captured, expected), "replay did not see the new inputs"
 
 
-# ---- The sm90 (wgmma + TMA) forward: dense calls at head_dim 128 on an H100 / H200 take it ----
+# ---- The sm90 (wgmma + TMA) forward: dense calls at head_dim 64 / 128 / 256 on an H100 / H200 take it ----
 
 def sm90_forward_expected():
     return torch.cuda.get_device_capability() == (9, 0) and "90a" in flash_ext.info()["cuda_archs"]
@@ -353,15 +353,19 @@ def forward_kernel_names(*args, **kwargs):
 @pytest.mark.skipif(not torch.cuda.is_available() or not sm90_forward_expected(),
                     reason="needs a compute capability 9.0 GPU and a build with 90a")
 def test_sm90_forward_is_taken(monkeypatch):
-    """Dense hd128 calls run the sm90 kernel (with and without softcap), other head dims and
+    """Dense hd64 / 128 / 256 calls run the sm90 kernel (plain, softcap, dropout); hd96, varlen and
     FLASH_EXT_DISABLE_SM90=1 the sm80 one; kernel_path says which."""
     q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, device="cuda")
-    for features in ({}, {"softcap": 30.0}):
-        names = forward_kernel_names(q, k, v, causal=True, **features)
-        assert any("attention_fwd_sm90_kernel" in name for name in names), f"{features}: {names}"
-    assert "sm90 wgmma" in flash_ext.kernel_path(q)
-    names = forward_kernel_names(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous())
+    for head_dim in (64, 128, 256):
+        q, k, v = make_qkv(2, 300, 300, 4, 2, head_dim, torch.bfloat16, device="cuda")
+        for features in ({}, {"softcap": 30.0}, {"dropout_p": 0.1}):
+            names = forward_kernel_names(q, k, v, causal=True, **features)
+            assert any("attention_fwd_sm90_kernel" in name for name in names), f"hd{head_dim} {features}: {names}"
+        assert "sm90 wgmma" in flash_ext.kernel_path(q)
+    q, k, v = make_qkv(2, 300, 300, 4, 2, 96, torch.bfloat16, device="cuda")
+    names = forward_kernel_names(q, k, v)
     assert not any("sm90" in name for name in names), names
+    q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, device="cuda")
     monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
     names = forward_kernel_names(q, k, v, causal=True)
     assert not any("sm90" in name for name in names) and any("attention_fwd_kernel" in name for name in names), names
@@ -369,10 +373,11 @@ def test_sm90_forward_is_taken(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (17, 17), (129, 127), (1000, 1000)])
-def test_sm80_forward_at_head_dim_128(seqlen_q, seqlen_k, causal, dtype, monkeypatch):
-    """The sm80 forward at hd128 still holds where the sm90 one takes hd128 by default (Hopper)."""
+def test_sm80_forward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim, dtype, monkeypatch):
+    """The sm80 forward at the head dims the sm90 one takes by default on Hopper still holds."""
     monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
-    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 128, dtype, device="cuda")
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype, device="cuda")
     check_cuda_forward(q, k, v, causal=causal)
