@@ -335,6 +335,8 @@ FwdParams make_varlen_fwd_params(const at::Tensor& q, const at::Tensor& k, const
   p.cu_seqlens_k = cu_seqlens_k.data_ptr<int32_t>();
   p.lse_batch_stride = 0;
   p.lse_head_stride = q.size(0);
+  p.total_q = q.size(0);
+  p.total_k = k.size(0);
   return p;
 }
 

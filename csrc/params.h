@@ -109,6 +109,8 @@ struct FwdParams {
   //   b * lse_batch_stride + h * lse_head_stride + query_span(b).begin + i
   int64_t lse_batch_stride = 0;    // dense: heads_q * seqlen_q; varlen: 0
   int64_t lse_head_stride = 0;     // dense: seqlen_q;           varlen: total_q
+  int64_t total_q = 0;             // varlen: rows of q (all sequences); dense: unused
+  int64_t total_k = 0;             // varlen: rows of k and v
 
   FLASH_EXT_HOST_DEVICE int heads_per_kv() const { return heads_q / heads_kv; }
 

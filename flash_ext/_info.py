@@ -28,14 +28,14 @@ def kernel_path(q, k=None, v=None, *, causal=False):
     major, minor = torch.cuda.get_device_capability(q.device)
     pad = f", head_dim padded {head_dim}->{padded}" if padded != head_dim else ""
     if sm90_forward_available(q.device, padded):
-        kernels = "sm90 wgmma + TMA forward (dense batches; varlen: sm80), sm80 mma.sync backward"
+        kernels = "sm90 wgmma + TMA forward, sm80 mma.sync backward"
     else:
         kernels = "sm80 mma.sync forward and backward"
     return f"cuda {kernels} (head_dim {padded}{pad}, {q.dtype}, causal={causal}) on sm_{major}{minor}"
 
 
 def sm90_forward_available(device, padded_head_dim):
-    """Whether a dense CUDA forward at this (padded) head dim runs the sm90 kernel (csrc/sm90/dispatch.h)."""
+    """Whether a CUDA forward at this (padded) head dim runs the sm90 kernel (csrc/sm90/dispatch.h)."""
     _, archs = _build()
     return (
         torch.cuda.get_device_capability(device) == (9, 0)

@@ -11,7 +11,7 @@ import torch
 
 import flash_ext
 from flash_ext.reference import attention_ref
-from make_inputs import make_qkv
+from make_inputs import make_qkv, make_varlen_qkv
 from tolerance import FWD_FACTOR, assert_within_tolerance, check_gradients
 
 pytestmark = [
@@ -353,7 +353,7 @@ def forward_kernel_names(*args, **kwargs):
 @pytest.mark.skipif(not torch.cuda.is_available() or not sm90_forward_expected(),
                     reason="needs a compute capability 9.0 GPU and a build with 90a")
 def test_sm90_forward_is_taken(monkeypatch):
-    """Dense hd64 / 128 / 256 calls run the sm90 kernel (plain, softcap, dropout); hd96, varlen and
+    """hd64 / 128 / 256 calls run the sm90 kernel (plain, softcap, dropout, varlen); hd96 and
     FLASH_EXT_DISABLE_SM90=1 the sm80 one; kernel_path says which."""
     q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, device="cuda")
     for head_dim in (64, 128, 256):
@@ -362,6 +362,11 @@ def test_sm90_forward_is_taken(monkeypatch):
             names = forward_kernel_names(q, k, v, causal=True, **features)
             assert any("attention_fwd_sm90_kernel" in name for name in names), f"hd{head_dim} {features}: {names}"
         assert "sm90 wgmma" in flash_ext.kernel_path(q)
+    q, k, v, cu_q, cu_k = make_varlen_qkv([37, 200, 1], [50, 260, 9], 4, 2, 128, torch.bfloat16, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        flash_ext.attention_varlen(q, k, v, cu_q, cu_k, 200, 260, causal=True)
+        torch.cuda.synchronize()
+    assert any("attention_fwd_sm90_kernel" in event.key for event in prof.key_averages()), "varlen: not sm90"
     q, k, v = make_qkv(2, 300, 300, 4, 2, 96, torch.bfloat16, device="cuda")
     names = forward_kernel_names(q, k, v)
     assert not any("sm90" in name for name in names), names

@@ -24,7 +24,10 @@
 // Key blocks are visited from the last to the first (for causal the diagonal blocks, which need the
 // element-wise mask, come first); only the blocks inside the row block's band are visited. Rows and
 // keys past the sequence's end arrive from TMA as zeros; their scores are masked, their rows not stored.
-// Dense batches only (flash_api.cpp sends variable-length batches to the sm80 kernel).
+// Variable-length batches: blockIdx.z is the sequence, whose rows start at cu_seqlens (params.h's
+// query_span / key_span); TMA then reads the packed tensors as one sequence of total rows, so a tile's
+// rows past its sequence's end come from the next sequence (zeros past the last): their scores are
+// masked like any key past the end, and such query rows are not stored.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only; no driver calls in device code)
@@ -118,14 +121,21 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int kv_head = head / params.heads_per_kv();
-  const int len_q = params.seqlen_q;
-  const int len_k = params.seqlen_k;
+  const SequenceSpan q_span = params.query_span(batch);
+  const SequenceSpan k_span = params.key_span(batch);
+  const int len_q = static_cast<int>(q_span.length);
+  const int len_k = static_cast<int>(k_span.length);
   const int first_row = m_block * kBlockM;
+  if (first_row >= len_q) return;  // variable-length batch: past this sequence's end
+  // TMA coordinates: rows of the (packed) tensor, batch 0 in a variable-length batch.
+  const int tma_batch = params.is_varlen() ? 0 : batch;
+  const int q_row0 = static_cast<int>(q_span.begin) + first_row;
+  const int k_row0 = static_cast<int>(k_span.begin);
   const int valid_rows = min(kBlockM, len_q - first_row);
   const BandMask band(params, len_q, len_k);
 
   Element* out = static_cast<Element*>(params.out) + batch * params.out_strides.batch +
-                 head * params.out_strides.head + first_row * params.out_strides.row;
+                 head * params.out_strides.head + (q_span.begin + first_row) * params.out_strides.row;
   float* lse = params.lse + params.lse_index(batch, head, first_row);
 
   const int key_begin = band.begin(first_row);
@@ -153,14 +163,14 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   // K and V of the i-th visited block into buffer i % kStages.
   auto load_key_block = [&](int i) {
     const int stage = i % kStages;
-    const int key_row = (num_key_blocks - 1 - i) * kBlockN;
+    const int key_row = k_row0 + (num_key_blocks - 1 - i) * kBlockN;
     mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
     for (int c = 0; c < Tile::kColumnRegions; ++c) {
-      tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, batch);
+      tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, tma_batch);
     }
     mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
     for (int c = 0; c < Tile::kColumnRegions; ++c) {
-      tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, batch);
+      tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, tma_batch);
     }
   };
   if (threadIdx.x == 0) {
@@ -179,7 +189,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
     prefetch_tensor_map(&maps.v);
     mbarrier_arrive_expect_bytes(bar_q_full, Tile::kQBytes);
     for (int c = 0; c < Tile::kColumnRegions; ++c) {
-      tma_load_4d(smem_q + c * kBlockM * 128, &maps.q, bar_q_full, c * 64, first_row, head, batch);
+      tma_load_4d(smem_q + c * kBlockM * 128, &maps.q, bar_q_full, c * 64, q_row0, head, tma_batch);
     }
     for (int i = 0; i < min(num_blocks, kStages); ++i) load_key_block(i);
   }

@@ -83,7 +83,6 @@ template <Elem16 kElem, int kHeadDim>
 bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
   using Tile = FwdSm90Tile<kHeadDim>;
   using Element = ElementOf<kElem>;
-  if (params.is_varlen()) return false;
   int device = 0, major = 0, minor = 0;
   throw_on_cuda_error(cudaGetDevice(&device), "querying the current device");
   throw_on_cuda_error(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
@@ -98,23 +97,26 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
                                            : attention_fwd_sm90_kernel<Element, kHeadDim, false, false>;
   if (!has_sm90_code(kernel)) return false;
 
-  const TensorStrides q_strides =
-      with_unit_dims_filled(params.q_strides, params.seqlen_q, params.heads_q, params.batch, kHeadDim);
-  const TensorStrides k_strides =
-      with_unit_dims_filled(params.k_strides, params.seqlen_k, params.heads_kv, params.batch, kHeadDim);
-  const TensorStrides v_strides =
-      with_unit_dims_filled(params.v_strides, params.seqlen_k, params.heads_kv, params.batch, kHeadDim);
+  // The tensors as TMA sees them: (batch, rows, heads, head_dim); a variable-length batch is one packed
+  // batch entry of total rows.
+  const int64_t batch = params.is_varlen() ? 1 : params.batch;
+  const int64_t rows_q = params.is_varlen() ? params.total_q : params.seqlen_q;
+  const int64_t rows_k = params.is_varlen() ? params.total_k : params.seqlen_k;
+  if (rows_q == 0 || rows_k == 0) return false;
+  const TensorStrides q_strides = with_unit_dims_filled(params.q_strides, rows_q, params.heads_q, batch, kHeadDim);
+  const TensorStrides k_strides = with_unit_dims_filled(params.k_strides, rows_k, params.heads_kv, batch, kHeadDim);
+  const TensorStrides v_strides = with_unit_dims_filled(params.v_strides, rows_k, params.heads_kv, batch, kHeadDim);
   if (!tma_compatible(params.q, q_strides) || !tma_compatible(params.k, k_strides) ||
       !tma_compatible(params.v, v_strides) || reinterpret_cast<uintptr_t>(params.out) % 16 != 0) {
     return false;
   }
   FwdTensorMaps maps;
-  if (!encode_tensor_map<Element, Tile::kBlockM>(&maps.q, params.q, q_strides, params.seqlen_q, params.heads_q,
-                                                 params.batch, kHeadDim) ||
-      !encode_tensor_map<Element, Tile::kBlockN>(&maps.k, params.k, k_strides, params.seqlen_k, params.heads_kv,
-                                                 params.batch, kHeadDim) ||
-      !encode_tensor_map<Element, Tile::kBlockN>(&maps.v, params.v, v_strides, params.seqlen_k, params.heads_kv,
-                                                 params.batch, kHeadDim)) {
+  if (!encode_tensor_map<Element, Tile::kBlockM>(&maps.q, params.q, q_strides, rows_q, params.heads_q, batch,
+                                                 kHeadDim) ||
+      !encode_tensor_map<Element, Tile::kBlockN>(&maps.k, params.k, k_strides, rows_k, params.heads_kv, batch,
+                                                 kHeadDim) ||
+      !encode_tensor_map<Element, Tile::kBlockN>(&maps.v, params.v, v_strides, rows_k, params.heads_kv, batch,
+                                                 kHeadDim)) {
     return false;
   }
 
