@@ -20,6 +20,7 @@ cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal
     (1, 65, 130, 2, 2, 256, True),
     (1, 300, 260, 2, 2, 128, True),  # forward warps skip masked key blocks above their rows
     (1, 512, 200, 4, 2, 128, False),  # the dK/dV walks run split in pieces (TailSplit), crossing query heads
+    (1, 260, 900, 2, 1, 128, False),  # sm90 forward (Hopper): 8 key blocks through its 3 TMA buffers
 ]
 for batch, sq, sk, hq, hkv, hd, causal in cases:
     q = torch.randn(batch, sq, hq, hd, device="cuda", dtype=torch.bfloat16)
