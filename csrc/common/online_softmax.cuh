@@ -71,18 +71,7 @@ struct OnlineSoftmax {
                                          float scale_log2) {
     float block_max[kRows];
     bool raise_max[kRows];
-    bool any_raise = false;
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 2 * mi + half;
-        block_max[r] = quad_max(tree_reduce<kNTilesS>(acc_s[mi], half, [](float a, float b) { return fmaxf(a, b); }));
-        // NaN when both are -inf (row still empty): compares false, the row keeps base 0.
-        raise_max[r] = (block_max[r] - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
-        any_raise |= raise_max[r];
-      }
-    }
+    const bool any_raise = block_maxima(acc_s, scale_log2, block_max, raise_max);
     if (kIsFirst || __any_sync(0xffffffff, any_raise)) {
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi) {
@@ -103,6 +92,75 @@ struct OnlineSoftmax {
         }
       }
     }
+    exponentiate(acc_s, scale_log2);
+  }
+
+  // Each row's max over this block (block_max) and whether its base must be raised (raise_max);
+  // returns whether any of this thread's rows must.
+  template <int kNTilesS>
+  __device__ __forceinline__ bool block_maxima(const float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
+                                               float (&block_max)[kRows], bool (&raise_max)[kRows]) const {
+    bool any_raise = false;
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mi + half;
+        block_max[r] = quad_max(tree_reduce<kNTilesS>(acc_s[mi], half, [](float a, float b) { return fmaxf(a, b); }));
+        // NaN when both are -inf (row still empty): compares false, the row keeps base 0.
+        raise_max[r] = (block_max[r] - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
+        any_raise |= raise_max[r];
+      }
+    }
+    return any_raise;
+  }
+
+  // update() in steps, for a caller that rescales O later (the sm90 forward: its O is still being
+  // accumulated by an asynchronous MMA while the next block's scores are exponentiated): raise_bases,
+  // then exponentiate, then (once O is complete, if raise_bases returned true) rescale.
+  //
+  // Raises the bases of the rows that need it (row sums rescaled here) and returns whether any row of
+  // the warp did (uniform over the warp); o_factor[r] is then what row r of O must be multiplied by
+  // (1 for the rows not raised).
+  template <bool kIsFirst, int kNTilesS>
+  __device__ __forceinline__ bool raise_bases(const float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
+                                              float (&o_factor)[kRows]) {
+    float block_max[kRows];
+    bool raise_max[kRows];
+    const bool any_raise = block_maxima(acc_s, scale_log2, block_max, raise_max);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) o_factor[r] = 1.f;
+    if (!kIsFirst && !__any_sync(0xffffffff, any_raise)) return false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (!raise_max[r]) continue;
+      if (!kIsFirst) {  // acc_o and row_sum are still zero on the first block
+        o_factor[r] = exp2f((row_max[r] - block_max[r]) * scale_log2);  // 0 if row_max was -inf
+        row_sum[r] *= o_factor[r];
+      }
+      row_max[r] = block_max[r];
+    }
+    return true;
+  }
+
+  template <int kNTilesO>
+  __device__ __forceinline__ void rescale(float (&acc_o)[kMTiles][kNTilesO][4], const float (&o_factor)[kRows]) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int nd = 0; nd < kNTilesO; ++nd) {
+          acc_o[mi][nd][2 * half] *= o_factor[2 * mi + half];
+          acc_o[mi][nd][2 * half + 1] *= o_factor[2 * mi + half];
+        }
+      }
+    }
+  }
+
+  // Scores -> unnormalised probabilities exp2(s * scale_log2 - base), added into the row sums.
+  template <int kNTilesS>
+  __device__ __forceinline__ void exponentiate(float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2) {
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll

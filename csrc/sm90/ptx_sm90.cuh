@@ -99,4 +99,18 @@ __host__ __device__ constexpr uint64_t swizzle128_descriptor(uint32_t start, uin
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
+// The descriptor of an operand `bytes` further on (within the same 256 KB of shared memory: the address
+// field does not carry into the next).
+__host__ __device__ constexpr uint64_t descriptor_plus(uint64_t descriptor, uint32_t bytes) {
+  return descriptor + (bytes >> 4);
+}
+
+#if defined(__CUDA_ARCH__)
+// The value, opaque to the compiler (which then cannot hoist what is derived from it out of a loop).
+__device__ __forceinline__ uint64_t opaque_u64(uint64_t value) {
+  asm volatile("mov.b64 %0, %0;" : "+l"(value));
+  return value;
+}
+#endif
+
 }  // namespace flash_ext::sm90
