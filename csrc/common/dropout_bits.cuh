@@ -10,8 +10,20 @@
 #include <cstdint>
 
 #include "philox.h"
+#include "../params.h"
 
 namespace flash_ext {
+
+// The forward's Philox seed and offset (possibly known only on the device), published once, by the
+// first thread of the first CTA, for the backward.
+__device__ __forceinline__ void publish_rng_state(const FwdParams& params) {
+  if (params.rng_state_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
+      threadIdx.x == 0) {
+    const PhiloxSeedOffset rng = philox_seed_offset(params);
+    params.rng_state_out[0] = static_cast<int64_t>(rng.seed);
+    params.rng_state_out[1] = static_cast<int64_t>(rng.offset);
+  }
+}
 
 // Row-major score tiles (rows are queries; forward, dQ kernel): the thread holds columns
 // first_key + nj * 8 + 2 (lane % 4) + e of `row`, e = 0, 1, nj < kNTiles. Returns bit 2 nj + e set

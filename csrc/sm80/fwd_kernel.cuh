@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "../common/band_mask.cuh"
+#include "../common/dropout_bits.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/philox.h"
 #include "../common/ptx.cuh"
@@ -61,14 +62,7 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   Element* smem_v = smem_k + kBlockN * Rows::kRowElements;
 
   // Heaviest query blocks (causal: the last ones) are launched first for a better tail.
-  // The Philox seed and offset of this call (possibly known only on the device), published once
-  // for the backward.
-  if (kExtras && params.rng_state_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
-      threadIdx.x == 0) {
-    const PhiloxSeedOffset rng = philox_seed_offset(params);
-    params.rng_state_out[0] = static_cast<int64_t>(rng.seed);
-    params.rng_state_out[1] = static_cast<int64_t>(rng.offset);
-  }
+  if constexpr (kExtras) publish_rng_state(params);
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;

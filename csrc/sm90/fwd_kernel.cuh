@@ -38,6 +38,7 @@
 #include <cstdint>
 
 #include "../common/band_mask.cuh"
+#include "../common/dropout_bits.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
@@ -119,12 +120,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   int* release_count = reinterpret_cast<int*>(smem + Tile::kCounterOffset);  // per stage: warps done with it
 
   static_assert(kExtras || !kDropout, "the dropout variant includes softcap and ALiBi");
-  if (kDropout && params.rng_state_out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 &&
-      threadIdx.x == 0) {
-    const PhiloxSeedOffset rng = philox_seed_offset(params);
-    params.rng_state_out[0] = static_cast<int64_t>(rng.seed);
-    params.rng_state_out[1] = static_cast<int64_t>(rng.offset);
-  }
+  if constexpr (kDropout) publish_rng_state(params);
 
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (causal: last) row blocks first
   const int head = blockIdx.y;
