@@ -217,13 +217,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   using Mma = Wgmma<Element, kBlockN>;
   using MmaO = Wgmma<Element, kHeadDim>;
 
-  // Operand descriptors: a tile's base descriptor, formed per key block (opaque_u64: otherwise ptxas keeps
-  // every k-step's 64-bit descriptor of every buffer live across the loop), plus the k-step's byte
-  // offset. S = Q Kᵀ k-step t covers head-dim columns 16t .. 16t + 15: region t / 4, 32 bytes per step
-  // inside it. O += P V k-step t covers keys 16t .. 16t + 15; V is MN-major, its 64-column regions
-  // kBlockN rows apart.
-  auto qk_step_offset = [](int rows, int t) { return static_cast<uint32_t>((t / 4) * rows * 128 + (t % 4) * 32); };
-
   const ScoreMod mod(params, batch, head, len_q, len_k);  // unused without kExtras
   float acc_o[1][kNTilesO][4] = {};  // the warp's 16 rows of O (mma.sync layout, as acc_s)
   OnlineSoftmax<1> softmax;
@@ -231,6 +224,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   mbarrier_wait(bar_q_full, 0);
 
   if constexpr (kPipelined) {
+    // Operand descriptors: a tile's base descriptor, formed per key block (opaque_u64: otherwise ptxas
+    // keeps every k-step's 64-bit descriptor of every buffer live across the loop), plus the k-step's byte
+    // offset. S = Q Kᵀ k-step t covers head-dim columns 16t .. 16t + 15: region t / 4, 32 bytes per step
+    // inside it. O += P V k-step t covers keys 16t .. 16t + 15; V is MN-major, its 64-column regions
+    // kBlockN rows apart.
+    auto qk_step_offset = [](int rows, int t) { return static_cast<uint32_t>((t / 4) * rows * 128 + (t % 4) * 32); };
     // S = Q K_iᵀ of the i-th visited block into acc_s: issued and committed, not waited for.
     auto issue_scores = [&](int i, float (&acc_s)[1][kNTilesS][4]) {
       const int stage = i % kStages;
@@ -318,6 +317,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
       issue_pv(num_blocks - 1, p_frag);
     }
   } else {
+    // The plain loop (head_dim 64 and 256): per block S, wait, softmax, P V issued; the descriptors formed
+    // per k-step (the loop as measured at 14bbdd3).
     // S = Q Kᵀ k-step t covers head-dim columns 16t .. 16t + 15: region t / 4, 32 bytes per step inside it.
     auto q_descriptor = [&](int t) {
       return swizzle128_descriptor(smem_q + (t / 4) * kBlockM * 128 + group * 64 * 128 + (t % 4) * 32, 16);
