@@ -50,8 +50,9 @@
 
 namespace flash_ext::sm90 {
 
-// The TMA descriptors of q, k, v: 4-D (head_dim, seqlen, heads, batch) tensors, boxes of 64 columns
-// by kBlockM (q) or kBlockN (k, v) rows, 128-byte swizzle (built in fwd_launch_template.cuh).
+// The TMA descriptors of q, k, v: 4-D (head_dim, rows, heads, batch) tensors (a variable-length batch:
+// all its rows, batch 1), boxes of 64 columns by kBlockM (q) or kBlockN (k, v) rows, 128-byte swizzle
+// (built in fwd_launch_template.cuh).
 struct FwdTensorMaps {
   CUtensorMap q, k, v;
 };
