@@ -466,8 +466,6 @@ class Bench:
         if impl == "flash_ext_sm80":
             return env_set("FLASH_EXT_DISABLE_SM90", "1")
         if impl.startswith("flash_ext"):
-            import contextlib
-
             return contextlib.nullcontext()
         return self.sdpa_kernel([self.backends[impl]])
 
