@@ -702,13 +702,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
   // rows, up to 8 rows of padding per sequence and 128 after the last, times head dim; tiled as
   // common/dq_accum_layout.h says); the preprocess kernel zeroes the rows that are read back.
   at::Tensor softmax_d = at::empty(lse_c.sizes(), q.options().dtype(at::kFloat));
-  at::Tensor dq_accum;
+  // With it, lse * log2(e) and D again in the accumulator's row numbering (params.h, row_stats: what the
+  // sm90 dK/dV kernel reads).
+  at::Tensor dq_accum, row_stats;
   int64_t dq_accum_rows = 0;
   if (!deterministic) {
     const int64_t query_rows = varlen.is_varlen() ? q.size(0) : q.size(0) * q.size(1);
     const int64_t sequences = varlen.is_varlen() ? varlen.cu_seqlens_q->size(0) - 1 : q.size(0);
     dq_accum_rows = DqAccumLayout::rows_for(query_rows, sequences);
     dq_accum = at::empty({q.size(-2), dq_accum_rows, q.size(-1)}, q.options().dtype(at::kFloat));
+    row_stats = at::empty({2, q.size(-2), dq_accum_rows}, q.options().dtype(at::kFloat));
   }
 
   const FwdParams fwd = varlen.is_varlen()
@@ -722,6 +725,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
   if (!deterministic) {
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_accum_rows = dq_accum_rows;
+    p.row_stats = row_stats.data_ptr<float>();
   }
   // Scratch for the dK/dV kernel's split tail walks (params.h, TailSplit), where a split may happen (plain
   // attention over every key, atomics allowed): fp32 dK and dV of up to one walk per SM (a walk covers 64

@@ -174,6 +174,11 @@ struct BwdParams : FwdParams {
   // nullptr: dQ by a separate atomic-free pass.
   float* dq_accum = nullptr;
   int64_t dq_accum_rows = 0;  // its rows per head (DqAccumLayout::rows_for)
+  // CUDA, deterministic = false: lse * log2(e) and D per query row in the dQ accumulator's row numbering
+  // ([2][heads_q][dq_accum_rows] floats: each sequence's rows 8-aligned, so that the sm90 dK/dV kernel
+  // copies a query block's values in one 16-byte-aligned bulk copy); written by the preprocess kernel.
+  // Padding rows are left unwritten (the kernel masks them).
+  float* row_stats = nullptr;
   // CUDA, deterministic = false, plain attention over every key (no causal mask, window, varlen): scratch for
   // the dK/dV kernel's tail walks, run in pieces whose fp32 dK and dV sums meet here (TailSplit,
   // sm80/bwd_launch_template.cuh); dkv_accum_floats long, zeroed by the launcher where used. nullptr: no split.

@@ -5,6 +5,7 @@ import torch
 
 SUPPORTED_CUDA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 SM90_FORWARD_HEAD_DIMS = (64, 128, 256)  # scripts/generate_instantiations.py, SM90_FWD_HEAD_DIMS
+SM90_BACKWARD_HEAD_DIMS = (128,)  # SM90_BWD_HEAD_DIMS there
 
 
 def _build():
@@ -27,10 +28,13 @@ def kernel_path(q, k=None, v=None, *, causal=False):
         return f"none: head_dim {head_dim} > 256 is not supported"
     major, minor = torch.cuda.get_device_capability(q.device)
     pad = f", head_dim padded {head_dim}->{padded}" if padded != head_dim else ""
-    if sm90_forward_available(q.device, padded):
-        kernels = "sm90 wgmma + TMA forward, sm80 mma.sync backward"
+    forward = "sm90 wgmma + TMA" if sm90_forward_available(q.device, padded) else "sm80 mma.sync"
+    if sm90_forward_available(q.device, padded) and padded in SM90_BACKWARD_HEAD_DIMS:
+        # Dropout and deterministic=True backward calls take the sm80 dK/dV kernel (csrc/sm90/launch.h).
+        backward = "sm90 wgmma + TMA dK/dV (sm80 with dropout or deterministic=True)"
     else:
-        kernels = "sm80 mma.sync forward and backward"
+        backward = "sm80 mma.sync"
+    kernels = f"{forward} forward, {backward} backward"
     return f"cuda {kernels} (head_dim {padded}{pad}, {q.dtype}, causal={causal}) on sm_{major}{minor}"
 
 

@@ -6,6 +6,8 @@ wrong answer does not pass.
     compute-sanitizer --tool memcheck  python3 scripts/sanitize.py
     compute-sanitizer --tool racecheck python3 scripts/sanitize.py
 """
+import os
+
 import torch
 
 import flash_ext
@@ -21,8 +23,12 @@ cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal
     (1, 300, 260, 2, 2, 128, True),  # forward warps skip masked key blocks above their rows
     (1, 512, 200, 4, 2, 128, False),  # the dK/dV walks run split in pieces (TailSplit), crossing query heads
     (1, 260, 900, 2, 1, 128, False),  # sm90 forward (Hopper): 8 key blocks through its 3 TMA buffers
+    (1, 700, 300, 4, 2, 128, True),  # sm90 dK/dV (Hopper): 11 query blocks through its 2 buffers, GQA
 ]
+# Cases run with the sm80 kernels on Hopper too (FLASH_EXT_DISABLE_SM90): the split walks are theirs.
+SM80_CASES = {(1, 512, 200, 4, 2, 128, False)}
 for batch, sq, sk, hq, hkv, hd, causal in cases:
+    os.environ["FLASH_EXT_DISABLE_SM90"] = "1" if (batch, sq, sk, hq, hkv, hd, causal) in SM80_CASES else "0"
     q = torch.randn(batch, sq, hq, hd, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, sk, hkv, hd, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, sk, hkv, hd, device="cuda", dtype=torch.bfloat16)

@@ -195,9 +195,12 @@ def test_deterministic_backward_is_bitwise_reproducible():
             assert torch.equal(grad, grad_first), f"{name} differs between runs"
 
 
-def test_atomic_dq_path_keeps_dk_dv_bitwise_and_dq_close():
+def test_atomic_dq_path_keeps_dk_dv_bitwise_and_dq_close(monkeypatch):
     """deterministic=False: dK and dV have a single writer, so they are bit-identical to the
-    deterministic path's; dQ differs at most by the rounding of differently ordered fp32 sums."""
+    deterministic path's; dQ differs at most by the rounding of differently ordered fp32 sums. (Both
+    paths of the sm80 kernels: on Hopper the sm90 dK/dV kernel takes the atomic path at head_dim 128,
+    with its own summation order: test_sm90_backward_is_taken.)"""
+    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 300, 280, 6, 2, 128, torch.bfloat16, device="cuda"))
     dout = torch.randn(2, 300, 6, 128, dtype=torch.bfloat16, device="cuda")
     grads = {}
@@ -220,14 +223,17 @@ def split_tail_inputs(heads_per_kv, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("heads_per_kv", [1, 2], ids=["mha", "gqa"])
-def test_gradients_with_split_tail_walks(heads_per_kv):
-    """Whole waves of walks plus split tail walks; with GQA a piece may cross a query-head boundary."""
+def test_gradients_with_split_tail_walks(heads_per_kv, monkeypatch):
+    """Whole waves of walks plus split tail walks; with GQA a piece may cross a query-head boundary.
+    (The split is the sm80 dK/dV kernel's; on Hopper the sm90 one would take head_dim 128.)"""
+    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
     check_gradients(*split_tail_inputs(heads_per_kv), causal=False)
 
 
-def test_split_tail_walks_are_taken():
+def test_split_tail_walks_are_taken(monkeypatch):
     """The shapes above do run the split (its dK / dV conversion kernel shows in the profile), and causal
     attention, whose walks differ in length, does not."""
+    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
     kernels = {}
     for causal in (False, True):
         q, k, v = (t.requires_grad_() for t in split_tail_inputs(2))
@@ -386,3 +392,65 @@ def test_sm80_forward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim
     monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype, device="cuda")
     check_cuda_forward(q, k, v, causal=causal)
+
+
+# ---- The sm90 dK/dV kernel: head_dim 128 backward calls on an H100 / H200 take it ----
+
+def backward_kernel_names(q, k, v, **kwargs):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = flash_ext.attention(q, k, v, **kwargs)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+    return [event.key for event in prof.key_averages()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not sm90_forward_expected(),
+                    reason="needs a compute capability 9.0 GPU and a build with 90a")
+def test_sm90_backward_is_taken(monkeypatch):
+    """hd128 backward calls (plain, causal, softcap, ALiBi, window, GQA, varlen) run the sm90 dK/dV kernel;
+    dropout, deterministic=True, other head dims and FLASH_EXT_DISABLE_SM90=1 the sm80 one. Its dK / dV
+    match the deterministic sm80 path's within rounding."""
+    q, k, v = make_qkv(2, 300, 333, 4, 2, 128, torch.bfloat16, device="cuda")
+    slopes = torch.rand(4, device="cuda")
+    for features in ({}, {"causal": True}, {"softcap": 30.0}, {"alibi_slopes": slopes}, {"window_size": (50, 20)}):
+        names = backward_kernel_names(q, k, v, **features)
+        assert any("attention_bwd_dkdv_sm90_kernel" in name for name in names), f"{features}: {names}"
+    assert "sm90 wgmma + TMA dK/dV" in flash_ext.kernel_path(q)
+    for features in ({"dropout_p": 0.1}, {"deterministic": True}):
+        names = backward_kernel_names(q, k, v, **features)
+        assert not any("dkdv_sm90" in name for name in names), f"{features}: {names}"
+    q64, k64, v64 = make_qkv(2, 300, 333, 4, 2, 64, torch.bfloat16, device="cuda")
+    assert not any("dkdv_sm90" in name for name in backward_kernel_names(q64, k64, v64))
+    qv, kv, vv, cu_q, cu_k = make_varlen_qkv([37, 200, 0, 1], [50, 260, 9, 0], 4, 2, 128, torch.bfloat16, device="cuda")
+    qv, kv, vv = (t.requires_grad_() for t in (qv, kv, vv))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = flash_ext.attention_varlen(qv, kv, vv, cu_q, cu_k, 200, 260, causal=True)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+    assert any("dkdv_sm90" in event.key for event in prof.key_averages()), "varlen: not sm90"
+
+    # Against the deterministic (sm80) path: the same math in another summation order.
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 300, 280, 6, 2, 128, torch.bfloat16, device="cuda"))
+    dout = torch.randn(2, 300, 6, 128, dtype=torch.bfloat16, device="cuda")
+    grads = {}
+    for deterministic in (False, True):
+        out = flash_ext.attention(q, k, v, causal=True, deterministic=deterministic)
+        grads[deterministic] = torch.autograd.grad(out, (q, k, v), dout)
+    for name, fast, exact in zip(("dq", "dk", "dv"), grads[False], grads[True]):
+        bound = 4 * torch.finfo(torch.bfloat16).eps * exact.float().abs().max().item()
+        err = (fast.float() - exact.float()).abs().max().item()
+        assert err <= bound, f"{name}: the sm90 and sm80 backward differ by {err} (bound {bound})"
+
+    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
+    names = backward_kernel_names(q, k, v, causal=True)
+    assert not any("sm90" in name for name in names) and any("attention_bwd_dkdv_kernel" in n for n in names), names
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (17, 17), (129, 127), (1000, 1000)])
+def test_sm80_backward_where_sm90_is_default(seqlen_q, seqlen_k, causal, monkeypatch):
+    """The sm80 dK/dV kernel at head_dim 128, which the sm90 one takes by default on Hopper, still holds."""
+    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 128, torch.bfloat16, device="cuda")
+    check_gradients(q, k, v, causal=causal)

@@ -54,9 +54,10 @@ __device__ __forceinline__ int64_t dq_accum_row(const BwdParams& params, int64_t
 }
 
 // D = sum_d dout * out per query row, in fp32: one warp per (row, head); with params.dq_accum, the
-// warp also zeroes the row's fp32 dQ accumulator (one kernel instead of a separate memset). Rows are
-// numbered through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length batch is
-// one packed "batch" of total_q rows (its batch strides are 0).
+// warp also zeroes the row's fp32 dQ accumulator (one kernel instead of a separate memset) and copies
+// the row's lse * log2(e) and D into params.row_stats where given (the sm90 dK/dV kernel's layout).
+// Rows are numbered through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length
+// batch is one packed "batch" of total_q rows (its batch strides are 0).
 template <int kHeadDim, typename Element>
 __global__ void __launch_bounds__(256)
     attention_bwd_preprocess_kernel(const __grid_constant__ BwdParams params, const int64_t rows_per_batch,
@@ -87,6 +88,11 @@ __global__ void __launch_bounds__(256)
   if (params.dq_accum != nullptr) {
     const DqAccumLayout layout{params.dq_accum_rows, kHeadDim};
     const int64_t accum_row = dq_accum_row(params, batch, row);
+    if (params.row_stats != nullptr && lane == 0) {
+      const int64_t at = head * params.dq_accum_rows + accum_row;
+      params.row_stats[at] = params.lse[params.lse_index(batch, head, row)] * kLog2e;
+      params.row_stats[params.heads_q * params.dq_accum_rows + at] = sum;
+    }
     float* accum = params.dq_accum + DqAccumLayout::row_in_tile(accum_row);
     for (int chunk = lane; chunk < kHeadDim / 4; chunk += 32) {  // 4 floats each, 4 chunks per tile row
       *reinterpret_cast<float4*>(accum + layout.tile_offset(accum_row, head, 4 * chunk) + 4 * (chunk % 4)) =

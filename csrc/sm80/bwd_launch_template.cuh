@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "../sm90/launch.h"
 #include "bwd_kernels.cuh"
 #include "launch_common.cuh"
 
@@ -127,7 +128,11 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
       }
     }
   };
-  if (extras) {
+  // On an H100 / H200 the sm90 kernel (TMA + wgmma) where it takes the call (sm90/launch.h).
+  bool dkdv_done = false;
+  if constexpr (sm90::has_bwd_kernel(kHeadDim)) dkdv_done = sm90::run_attention_bwd_dkdv<kElem, kHeadDim>(params, stream);
+  if (dkdv_done) {
+  } else if (extras) {
     launch_dkdv(BwdDkDvTile<kHeadDim, true>{});
   } else {
     launch_dkdv(BwdDkDvTile<kHeadDim, false>{});

@@ -2,20 +2,11 @@
 // Host-only; used by csrc/flash_api.cpp.
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "launch.h"
 
 namespace flash_ext::sm90 {
-
-// FLASH_EXT_DISABLE_SM90=1 sends every call to the sm80 kernels (for comparisons and for testing both
-// paths on one Hopper GPU).
-inline bool sm90_disabled() {
-  const char* value = std::getenv("FLASH_EXT_DISABLE_SM90");
-  return value != nullptr && std::strcmp(value, "1") == 0;
-}
 
 // Runs the sm90 forward where it takes the call (launch.h); false: the caller runs the sm80 one.
 inline bool try_run_attention_fwd(const FwdParams& params, cudaStream_t stream) {

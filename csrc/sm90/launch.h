@@ -4,6 +4,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "../params.h"
 #include "../sm80/launch.h"  // Elem16
 
@@ -16,5 +19,22 @@ using sm80::Elem16;
 // strides, none 0). Returns false, having launched nothing, otherwise (the caller runs the sm80 kernel).
 template <Elem16 kElem, int kHeadDim>
 bool run_attention_fwd(const FwdParams& params, cudaStream_t stream);
+
+// The head dims with an sm90 dK/dV kernel.
+constexpr bool has_bwd_kernel(int head_dim) { return head_dim == 128; }
+
+// Runs the backward's dK/dV kernel (between the sm80 launcher's preprocess and dQ conversion: dK, dV
+// written, dQ added into params.dq_accum) and returns true where the sm90 kernel takes the call: as the
+// forward's conditions, and deterministic = false (params.dq_accum and params.row_stats set), no
+// dropout. Returns false, having launched nothing, otherwise. Defined where has_bwd_kernel(kHeadDim).
+template <Elem16 kElem, int kHeadDim>
+bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream);
+
+// FLASH_EXT_DISABLE_SM90=1 sends every call to the sm80 kernels (for comparisons and for testing both
+// paths on one Hopper GPU).
+inline bool sm90_disabled() {
+  const char* value = std::getenv("FLASH_EXT_DISABLE_SM90");
+  return value != nullptr && std::strcmp(value, "1") == 0;
+}
 
 }  // namespace flash_ext::sm90

@@ -53,6 +53,18 @@ __device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const void* tenso
       : "memory");
 }
 
+// A contiguous copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) into shared memory,
+// completing `bar`'s transaction bytes.
+__device__ __forceinline__ void bulk_load(uint32_t smem_dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// Makes this thread's ordinary shared-memory stores visible to the async proxy (a wgmma reading them
+// from shared memory) once the threads have synchronised.
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
 }

@@ -6,7 +6,8 @@
 // mma.sync m16n8 accumulator layout, n-tile by n-tile.
 //   ss: A and B from shared memory (matrix descriptors, ptx_sm90.cuh)
 //   rs: A from registers, per warp the mma.sync m16n8k16 A fragment of its 16 rows
-// kTransposeB = 0: B stored K-major (N rows of K contiguous elements); 1: MN-major.
+// kTransposeB = 0: B stored K-major (N rows of K contiguous elements); 1: MN-major. kTransposeA (ss only)
+// likewise for A: 0 K-major (64 rows of K contiguous elements), 1 MN-major.
 // accumulate = 0 ignores the old D.
 #pragma once
 
@@ -24,13 +25,13 @@ struct Wgmma;
 
 template <>
 struct Wgmma<__nv_bfloat16, 64> {
-  template <int kTransposeB>
+  template <int kTransposeB, int kTransposeA = 0>
   static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a_desc, uint64_t b_desc, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, %35;\n}\n"
+        "%32, %33, p, 1, 1, %36, %35;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -39,7 +40,7 @@ struct Wgmma<__nv_bfloat16, 64> {
           "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
           "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB));
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB), "n"(kTransposeA));
   }
   template <int kTransposeB>
   static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc,
@@ -63,13 +64,13 @@ struct Wgmma<__nv_bfloat16, 64> {
 
 template <>
 struct Wgmma<__nv_bfloat16, 128> {
-  template <int kTransposeB>
+  template <int kTransposeB, int kTransposeA = 0>
   static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t a_desc, uint64_t b_desc, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, %67;\n}\n"
+        "%64, %65, p, 1, 1, %68, %67;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -86,7 +87,7 @@ struct Wgmma<__nv_bfloat16, 128> {
           "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
           "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
           "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB));
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB), "n"(kTransposeA));
   }
   template <int kTransposeB>
   static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b_desc,
@@ -118,13 +119,13 @@ struct Wgmma<__nv_bfloat16, 128> {
 
 template <>
 struct Wgmma<__nv_bfloat16, 256> {
-  template <int kTransposeB>
+  template <int kTransposeB, int kTransposeA = 0>
   static __device__ __forceinline__ void ss(float (&d)[32][4], uint64_t a_desc, uint64_t b_desc, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, 0, %131;\n}\n"
+        "%128, %129, p, 1, 1, %132, %131;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -157,7 +158,7 @@ struct Wgmma<__nv_bfloat16, 256> {
           "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
           "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
           "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB));
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB), "n"(kTransposeA));
   }
   template <int kTransposeB>
   static __device__ __forceinline__ void rs(float (&d)[32][4], const uint32_t (&a)[4], uint64_t b_desc,
@@ -205,13 +206,13 @@ struct Wgmma<__nv_bfloat16, 256> {
 
 template <>
 struct Wgmma<__half, 64> {
-  template <int kTransposeB>
+  template <int kTransposeB, int kTransposeA = 0>
   static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a_desc, uint64_t b_desc, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, %35;\n}\n"
+        "%32, %33, p, 1, 1, %36, %35;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -220,7 +221,7 @@ struct Wgmma<__half, 64> {
           "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
           "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB));
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB), "n"(kTransposeA));
   }
   template <int kTransposeB>
   static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc,
@@ -244,13 +245,13 @@ struct Wgmma<__half, 64> {
 
 template <>
 struct Wgmma<__half, 128> {
-  template <int kTransposeB>
+  template <int kTransposeB, int kTransposeA = 0>
   static __device__ __forceinline__ void ss(float (&d)[16][4], uint64_t a_desc, uint64_t b_desc, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, %67;\n}\n"
+        "%64, %65, p, 1, 1, %68, %67;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -267,7 +268,7 @@ struct Wgmma<__half, 128> {
           "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
           "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
           "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB));
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB), "n"(kTransposeA));
   }
   template <int kTransposeB>
   static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b_desc,
@@ -299,13 +300,13 @@ struct Wgmma<__half, 128> {
 
 template <>
 struct Wgmma<__half, 256> {
-  template <int kTransposeB>
+  template <int kTransposeB, int kTransposeA = 0>
   static __device__ __forceinline__ void ss(float (&d)[32][4], uint64_t a_desc, uint64_t b_desc, int accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-        "%128, %129, p, 1, 1, 0, %131;\n}\n"
+        "%128, %129, p, 1, 1, %132, %131;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -338,7 +339,7 @@ struct Wgmma<__half, 256> {
           "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
           "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
           "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
-        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB));
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(kTransposeB), "n"(kTransposeA));
   }
   template <int kTransposeB>
   static __device__ __forceinline__ void rs(float (&d)[32][4], const uint32_t (&a)[4], uint64_t b_desc,

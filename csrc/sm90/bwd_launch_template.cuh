@@ -1,0 +1,62 @@
+// Launch of the sm90 dK/dV kernel for one (dtype, head dim): its TMA descriptors and the checks that
+// decide whether it takes the call. Included by the generated translation units in csrc/instantiations/.
+#pragma once
+
+#include <cstdint>
+
+#include "bwd_kernel.cuh"
+#include "launch.h"
+#include "launch_common.cuh"
+
+namespace flash_ext::sm90 {
+
+template <Elem16 kElem, int kHeadDim>
+bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
+  using Tile = BwdSm90Tile<kHeadDim>;
+  using Element = ElementOf<kElem>;
+  if (sm90_disabled() || params.dq_accum == nullptr || params.row_stats == nullptr || params.has_dropout()) {
+    return false;
+  }
+  if (!device_is_sm90()) return false;
+  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  const auto kernel = score_mods ? attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true>
+                                 : attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, false>;
+  if (!has_sm90_code(kernel)) return false;
+
+  // The tensors as TMA sees them (as in the forward): a variable-length batch is one packed batch entry.
+  const int64_t batch = params.is_varlen() ? 1 : params.batch;
+  const int64_t rows_q = params.is_varlen() ? params.total_q : params.seqlen_q;
+  const int64_t rows_k = params.is_varlen() ? params.total_k : params.seqlen_k;
+  if (rows_q == 0 || rows_k == 0) return false;
+  const TensorStrides q_strides = with_unit_dims_filled(params.q_strides, rows_q, params.heads_q, batch, kHeadDim);
+  const TensorStrides dout_strides =
+      with_unit_dims_filled(params.dout_strides, rows_q, params.heads_q, batch, kHeadDim);
+  const TensorStrides k_strides = with_unit_dims_filled(params.k_strides, rows_k, params.heads_kv, batch, kHeadDim);
+  const TensorStrides v_strides = with_unit_dims_filled(params.v_strides, rows_k, params.heads_kv, batch, kHeadDim);
+  if (!tma_compatible(params.q, q_strides) || !tma_compatible(params.dout, dout_strides) ||
+      !tma_compatible(params.k, k_strides) || !tma_compatible(params.v, v_strides) ||
+      reinterpret_cast<uintptr_t>(params.dk) % 4 != 0 || reinterpret_cast<uintptr_t>(params.dv) % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(params.row_stats) % 16 != 0) {
+    return false;
+  }
+  BwdTensorMaps maps;
+  if (!encode_tensor_map<Element, Tile::kBlockM>(&maps.q, params.q, q_strides, rows_q, params.heads_q, batch,
+                                                 kHeadDim) ||
+      !encode_tensor_map<Element, Tile::kBlockM>(&maps.dout, params.dout, dout_strides, rows_q, params.heads_q, batch,
+                                                 kHeadDim) ||
+      !encode_tensor_map<Element, Tile::kBlockN>(&maps.k, params.k, k_strides, rows_k, params.heads_kv, batch,
+                                                 kHeadDim) ||
+      !encode_tensor_map<Element, Tile::kBlockN>(&maps.v, params.v, v_strides, rows_k, params.heads_kv, batch,
+                                                 kHeadDim)) {
+    return false;
+  }
+
+  set_smem_limit(kernel, Tile::kSmemBytes, "the sm90 dK/dV kernel");
+  const dim3 grid(static_cast<unsigned>((params.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN), params.heads_kv,
+                  params.batch);
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(params, maps);
+  throw_on_cuda_error(cudaGetLastError(), "launching the sm90 dK/dV kernel");
+  return true;
+}
+
+}  // namespace flash_ext::sm90
