@@ -47,7 +47,8 @@ measure() {  # name dir
     echo "build ok; ptxas: $(grep -c 'Used [0-9]* registers' "/tmp/build_$name.log") kernels," \
          "$(grep 'bytes spill stores' "/tmp/build_$name.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads') with spills"
     if [ "$TESTS" = 1 ]; then
-      timeout 240 "$PY" -m pytest tests -m cuda -q -x -p no:cacheprovider 2>&1 | tail -n 1
+      timeout 240 "$PY" -m pytest tests -m cuda -q --maxfail=10 -p no:cacheprovider 2>&1 |
+        grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-400 | tail -n 12
     fi
     PYTHONPATH="$PWD" timeout 300 "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" 2>&1 |
       grep -E "^(op |-{8}|fwd |bwd |fwd_bwd |TFLOP)"
