@@ -44,16 +44,18 @@ struct BwdSm90Tile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = 128;  // keys per CTA: 64 per warpgroup
   static constexpr int kBlockM = 64;   // queries per step
-  // Query-block buffers: block i + 2 loads while block i + 1 computes (a block takes ~2.5 us at hd128,
-  // a TMA load ~1 us).
-  static constexpr int kStages = 2;
+  // Query-block buffers: step i's buffer is released in step i + 1, once its dV / dK (the last GEMMs
+  // reading it) completed, and the reload has the rest of step i + 1 and step i + 2 to land (a step takes
+  // ~2.5 us at hd128, a TMA load ~1 us). Shared memory at hd128: K, V 64 KB + 3 x 32 KB + Pᵀ, dSᵀ 2 x 2 x
+  // 16 KB = 224 KB.
+  static constexpr int kStages = 3;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kColumnRegions = kHeadDim / 64;  // 64 16-bit columns = one 128-byte row
   static constexpr int kDqCols = kHeadDim / 2;          // dQ columns per warpgroup
   static constexpr int kKvBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // a Q or dO tile
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // dSᵀ: 128 key rows of 64 queries (128 bytes)
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // Pᵀ or dSᵀ: 128 key rows of 64 queries (128 bytes)
   static constexpr int kStatBytes = kBlockM * 4;          // a block's lse log2(e), or its D
   // K, V, Q[stage], dO[stage], dSᵀ[2], lse[stage], D[stage], the mbarriers (K and V, Q[stage]) and the
   // release counters; +1024 to align the base (the swizzle is computed from absolute addresses).
@@ -61,7 +63,8 @@ struct BwdSm90Tile {
   static constexpr int kQOffset = 2 * kKvBytes;
   static constexpr int kDoutOffset = kQOffset + kStages * kQBytes;
   static constexpr int kDsOffset = kDoutOffset + kStages * kQBytes;
-  static constexpr int kLseOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kPOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kLseOffset = kPOffset + 2 * kDsBytes;
   static constexpr int kDOffset = kLseOffset + kStages * kStatBytes;
   static constexpr int kBarrierOffset = kDOffset + kStages * kStatBytes;
   static constexpr int kCounterOffset = kBarrierOffset + 8 * (1 + kStages);
@@ -91,6 +94,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   auto smem_q = [&](int stage) { return smem_base + Tile::kQOffset + stage * Tile::kQBytes; };
   auto smem_dout = [&](int stage) { return smem_base + Tile::kDoutOffset + stage * Tile::kQBytes; };
   auto smem_ds = [&](int buffer) { return smem_base + Tile::kDsOffset + buffer * Tile::kDsBytes; };
+  auto smem_p = [&](int buffer) { return smem_base + Tile::kPOffset + buffer * Tile::kDsBytes; };
   const float* stat_lse = reinterpret_cast<const float*>(smem + Tile::kLseOffset);  // [stage][kBlockM]
   const float* stat_d = reinterpret_cast<const float*>(smem + Tile::kDOffset);
   const uint32_t bar_kv_full = smem_base + Tile::kBarrierOffset;
@@ -214,15 +218,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   float acc_dv[kNTilesGrad][4] = {};
   if (num_steps > 0) mbarrier_wait(bar_kv_full, 0);
 
-  for (int i = 0; i < num_steps; ++i) {
+  // Sᵀ and dPᵀ of step i: issued and committed (one group), not waited for.
+  auto issue_scores = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4]) {
     const int stage = i % kStages;
-    const int head = step_head(i);
-    const int first_query = step_first_query(i);
-    const int valid_queries = min(kBlockM, len_q - first_query);
     mbarrier_wait(bar_q_full(stage), (i / kStages) & 1);
-
-    float acc_s[1][kNTilesS][4];   // Sᵀ, then Pᵀ in place
-    float acc_dp[1][kNTilesS][4];  // dPᵀ, then dSᵀ in place
     wgmma_fence();
 #pragma unroll
     for (int t = 0; t < kHeadDim / 16; ++t) {
@@ -233,20 +232,24 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
       MmaS::template ss<0>(acc_dp[0], kv_scores_descriptor(smem_v, t), query_scores_descriptor(smem_dout(stage), t), t);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    register_fence(acc_s[0]);
-    register_fence(acc_dp[0]);
+  };
 
-    // Pᵀ and dSᵀ. A warp's block needs the element-wise mask unless every query row is valid and sees
-    // every one of the warp's 16 keys (band rows grow monotonically: the corners decide; band.end clamps
-    // at len_k). Masked entries get P = dS = 0 by selects (their lse / D may be padding).
+  // Step i's completed Sᵀ, dPᵀ -> Pᵀ and dSᵀ in place. A warp's block needs the
+  // element-wise mask unless every query row is valid and sees every one of the warp's 16 keys (band rows
+  // grow monotonically: the corners decide; band.end clamps at len_k). Masked entries get P = dS = 0 by
+  // selects (their lse / D may be padding).
+  auto scores_to_gradients = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4]) {
+    const int stage = i % kStages;
+    const int head = step_head(i);
+    const int first_query = step_first_query(i);
+    const int valid_queries = min(kBlockM, len_q - first_query);
     const float* lse = stat_lse + stage * kBlockM;
     const float* d = stat_d + stage * kBlockM;
     const bool warp_unmasked = valid_queries == kBlockM && band.begin(first_query + kBlockM - 1) <= warp_first_key &&
                                band.end(first_query) >= warp_first_key + 16;
-    const ScoreMod head_mod(params, batch, head, len_q, len_k);  // unused without kExtras
-    const float first_query_on_diagonal = head_mod.row_on_diagonal(first_query + thread_query);
-    auto scores_to_gradients = [&](auto masked) {
+    const ScoreMod mod(params, batch, head, len_q, len_k);  // unused without kExtras
+    const float first_query_on_diagonal = mod.row_on_diagonal(first_query + thread_query);
+    auto elementwise = [&](auto masked) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int key = thread_key + 8 * half;
@@ -267,8 +270,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
             float score = acc_s[0][j][r], grad_factor = 1.f;
             if constexpr (kExtras) {
               float tanh_value;
-              score = head_mod.raw_score(score, first_query_on_diagonal + static_cast<float>(8 * j + e),
-                                         static_cast<float>(key), tanh_value);
+              score = mod.raw_score(score, first_query_on_diagonal + static_cast<float>(8 * j + e),
+                                    static_cast<float>(key), tanh_value);
               grad_factor = 1.f - tanh_value * tanh_value;
             }
             float p = exp2f(fmaf(score, params.scale_log2, -lse[query]));
@@ -285,41 +288,55 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
       }
     };
     if (warp_unmasked) {
-      scores_to_gradients(std::false_type{});
+      elementwise(std::false_type{});
     } else {
-      scores_to_gradients(std::true_type{});
+      elementwise(std::true_type{});
     }
-    uint32_t p_frag[1][kNTilesS / 2][4];
-    uint32_t ds_frag[1][kNTilesS / 2][4];
-    accumulator_to_a_fragments<Element>(acc_s, p_frag);
-    accumulator_to_a_fragments<Element>(acc_dp, ds_frag);
+  };
 
-    // dV += Pᵀ dO, dK += dSᵀ Q: issued, completed at the dQ wait below.
+  // Step i's Pᵀ and dSᵀ in 16 bits to shared memory (buffers i % 2), one stmatrix per 16 keys x 16 queries
+  // (the four 8 x 8 matrices of an A fragment), and this warpgroup's half of dSᵀ announced to the other
+  // (named barrier 1 + 2 (i % 2) + group, arrive only).
+  auto store_p_ds = [&](int i, const float (&acc_s)[1][kNTilesS][4], const float (&acc_dp)[1][kNTilesS][4]) {
+    uint32_t frag[1][kNTilesS / 2][4];
+    auto store = [&](uint32_t tile) {
+#pragma unroll
+      for (int jj = 0; jj < kNTilesS / 2; ++jj) {
+        const int chunk = 2 * jj + lane / 16;  // 16-byte chunk of the 128-byte row
+        stmatrix_x4(tile + ds_store_row * 128 + ((chunk ^ (ds_store_row % 8)) * 16),
+                    {frag[0][jj][0], frag[0][jj][1], frag[0][jj][2], frag[0][jj][3]});
+      }
+    };
+    accumulator_to_a_fragments<Element>(acc_s, frag);
+    store(smem_p(i % 2));
+    accumulator_to_a_fragments<Element>(acc_dp, frag);
+    store(smem_ds(i % 2));
+    fence_async_shared();
+    named_barrier_arrive(1 + 2 * (i % 2) + group, Tile::kThreads);
+  };
+
+  // dV += Pᵀ dO, dK += dSᵀ Q of step i (A = this warpgroup's 64 key rows of the stored Pᵀ / dSᵀ, K-major over
+  // the block's queries): issued and committed, not waited for.
+  auto issue_grads = [&](int i) {
+    const int stage = i % kStages;
+    auto own_rows = [&](uint32_t tile, int t) { return swizzle128_descriptor(tile + group * 64 * 128 + t * 32, 16); };
     wgmma_fence();
 #pragma unroll
     for (int t = 0; t < kBlockM / 16; ++t) {
-      MmaGrad::template rs<1>(acc_dv, p_frag[0][t], query_grad_descriptor(smem_dout(stage), t), 1);
+      MmaGrad::template ss<1>(acc_dv, own_rows(smem_p(i % 2), t), query_grad_descriptor(smem_dout(stage), t), 1);
     }
 #pragma unroll
     for (int t = 0; t < kBlockM / 16; ++t) {
-      MmaGrad::template rs<1>(acc_dk, ds_frag[0][t], query_grad_descriptor(smem_q(stage), t), 1);
+      MmaGrad::template ss<1>(acc_dk, own_rows(smem_ds(i % 2), t), query_grad_descriptor(smem_q(stage), t), 1);
     }
     wgmma_commit();
+  };
 
-    // dSᵀ to shared memory (buffer i % 2: the other warpgroup may still read the previous step's), one
-    // stmatrix per 16 keys x 16 queries: the A fragment of k-step jj is that block's four 8 x 8 matrices.
+  // dQ of step i (kBlockM queries x this warpgroup's kDqCols columns) = dS K over the block's 128 keys, once
+  // the other warpgroup's half of dSᵀ is stored: issued and committed, not waited for.
+  auto issue_dq = [&](int i, float (&acc_dq)[kNTilesDq][4]) {
+    named_barrier_sync(1 + 2 * (i % 2) + (1 - group), Tile::kThreads);
     const uint32_t ds_tile = smem_ds(i % 2);
-#pragma unroll
-    for (int jj = 0; jj < kNTilesS / 2; ++jj) {
-      const int chunk = 2 * jj + lane / 16;  // 16-byte chunk of the 128-byte row
-      stmatrix_x4(ds_tile + ds_store_row * 128 + ((chunk ^ (ds_store_row % 8)) * 16),
-                  {ds_frag[0][jj][0], ds_frag[0][jj][1], ds_frag[0][jj][2], ds_frag[0][jj][3]});
-    }
-    fence_async_shared();
-    named_barrier_sync(1, Tile::kThreads);  // all 128 rows of dSᵀ stored
-
-    // dQ (kBlockM queries x the warpgroup's kDqCols columns) = dS K over the block's 128 keys.
-    float acc_dq[kNTilesDq][4];
     wgmma_fence();
 #pragma unroll
     for (int t = 0; t < kBlockN / 16; ++t) {
@@ -327,15 +344,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
                                swizzle128_descriptor(smem_k + group * kBlockN * 128 + t * 16 * 128, kBlockN * 128), t);
     }
     wgmma_commit();
-    wgmma_wait<0>();  // dQ, and this step's dK / dV
-    register_fence(acc_dq);
-    register_fence(acc_dk);
-    register_fence(acc_dv);
-    release_query_block(i);
+  };
 
-    // Rows past the sequence's end (dS = 0) are added too: DqAccumLayout says where they land.
-    const int64_t accum_row = sequence_accum_row + first_query + 16 * warp_in_group;
-    float* dq_accum_lane = params.dq_accum + dq_layout.tile_offset(accum_row, head, group * Tile::kDqCols) + 4 * lane;
+  // Step i's completed dQ added to the fp32 accumulator. Rows past the sequence's end (dS = 0) are added
+  // too: DqAccumLayout says where they land.
+  auto add_dq = [&](int i, const float (&acc_dq)[kNTilesDq][4]) {
+    const int64_t accum_row = sequence_accum_row + step_first_query(i) + 16 * warp_in_group;
+    float* dq_accum_lane =
+        params.dq_accum + dq_layout.tile_offset(accum_row, step_head(i), group * Tile::kDqCols) + 4 * lane;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -345,7 +361,48 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
                           acc_dq[2 * pair + 1][2 * half + 1]);
       }
     }
+  };
+
+  // Per step i: step i - 1's dQ (once the other warpgroup's half of its dSᵀ is stored), waited for and added;
+  // step i's Sᵀ, dPᵀ and step i - 1's dV / dK issued; the element-wise work of step i runs while that dV / dK
+  // completes (FlashAttention-3's intra-warpgroup overlap, here of the gradient GEMMs, whose accumulators
+  // are live anyway); then step i's Pᵀ and dSᵀ are stored. (With dQ in flight during the element-wise work
+  // instead, ptxas serialised the wgmmas for want of registers: C7511.)
+  float acc_s[1][kNTilesS][4];   // Sᵀ, then Pᵀ in place
+  float acc_dp[1][kNTilesS][4];  // dPᵀ, then dSᵀ in place
+  auto finish_dq = [&](int i) {
+    float acc_dq[kNTilesDq][4];
+    issue_dq(i, acc_dq);
+    wgmma_wait<0>();
+    register_fence(acc_dq);
+    add_dq(i, acc_dq);
+  };
+  for (int i = 0; i < num_steps; ++i) {
+    if (i > 0) finish_dq(i - 1);
+    issue_scores(i, acc_s, acc_dp);
+    if (i > 0) {
+      issue_grads(i - 1);
+      wgmma_wait<1>();  // Sᵀ, dPᵀ of step i; step i - 1's dV / dK may still run
+    } else {
+      wgmma_wait<0>();
+    }
+    register_fence(acc_s[0]);
+    register_fence(acc_dp[0]);
+    scores_to_gradients(i, acc_s, acc_dp);
+    if (i > 0) {
+      wgmma_wait<0>();  // step i - 1's dV / dK: its Pᵀ / dSᵀ buffers and its Q / dO are free
+      release_query_block(i - 1);
+    }
+    store_p_ds(i, acc_s, acc_dp);
   }
+  if (num_steps > 0) {
+    finish_dq(num_steps - 1);
+    issue_grads(num_steps - 1);
+    wgmma_wait<0>();
+    release_query_block(num_steps - 1);
+  }
+  register_fence(acc_dk);
+  register_fence(acc_dv);
 
   // dK = scale dSᵀ Q and dV: each thread writes keys thread_key (+ 8) and two columns per n-tile.
   Element* dk = static_cast<Element*>(params.dk) + batch * params.dk_strides.batch + kv_head * params.dk_strides.head;

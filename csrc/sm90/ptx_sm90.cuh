@@ -95,6 +95,11 @@ __device__ __forceinline__ void register_fence(float (&tile)[kRows][kCols]) {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrives at a named barrier without waiting (the threads that wait for it call named_barrier_sync with the
+// same total count).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 #endif  // sm_90a
 
