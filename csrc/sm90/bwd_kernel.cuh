@@ -4,15 +4,16 @@
 //
 // A CTA owns kBlockN = 128 keys of one (batch, kv head), 64 per warpgroup (wgmma's M), keeps K and V in
 // shared memory, and walks the query blocks of kBlockM = 64 rows (of every query head of its GQA group)
-// that can see its keys. Per query block, each warpgroup:
+// that can see its keys. Per query block (step), each warpgroup:
 //   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (wgmma, all from shared memory: keys x queries, so each warp's 16 key rows
 //     are in the mma.sync accumulator layout, as in the sm80 kernel's phase 1), wait;
 //   Pᵀ = exp2(Sᵀ scale log2(e) - lse log2(e)) and dSᵀ = Pᵀ ∘ (dPᵀ - D) (with softcap's factor, the
-//     band mask) in registers, then in 16 bits as the register A operands of
-//   dV += Pᵀ dO and dK += dSᵀ Q (wgmma, B = dO / Q from shared memory), issued and not waited for;
-//   dSᵀ stored to shared memory (stmatrix), both warpgroups synchronised, then
-//   dQ = dS K for half of the head dim each (A = dS read transposed from the stored dSᵀ, B = K), waited,
-//     and added to the fp32 dQ accumulator with 16-byte atomics (common/dq_accum_layout.h).
+//     band mask) in registers, stored in 16 bits to shared memory (stmatrix);
+//   dV += Pᵀ dO and dK += dSᵀ Q (wgmma, A = its own 64 rows of the stored Pᵀ / dSᵀ, B = dO / Q), issued
+//     with the next step's Sᵀ / dPᵀ and completing during the next step's element-wise work;
+//   dQ = dS K for half of the head dim (A = dS read transposed from the stored dSᵀ of both warpgroups,
+//     handed over by named barriers, B = K), waited for at the start of the next step and added to the
+//     fp32 dQ accumulator with 16-byte atomics (common/dq_accum_layout.h).
 // Q, dO and the block's lse log2(e) / D arrive by TMA in one of kStages buffers; as in the forward, thread
 // 0 issues K, V and the first blocks, and the last of the 8 warps done with a buffer reloads it.
 // Shared tiles are in the 128-byte swizzled layout (ptx_sm90.cuh, swizzle128_descriptor).
