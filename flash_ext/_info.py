@@ -5,7 +5,7 @@ import torch
 
 SUPPORTED_CUDA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 SM90_FORWARD_HEAD_DIMS = (64, 128, 256)  # scripts/generate_instantiations.py, SM90_FWD_HEAD_DIMS
-SM90_BACKWARD_HEAD_DIMS = (128,)  # SM90_BWD_HEAD_DIMS there
+SM90_BACKWARD_HEAD_DIMS = (64, 128)  # SM90_BWD_HEAD_DIMS there
 
 
 def _build():
@@ -30,8 +30,8 @@ def kernel_path(q, k=None, v=None, *, causal=False):
     pad = f", head_dim padded {head_dim}->{padded}" if padded != head_dim else ""
     forward = "sm90 wgmma + TMA" if sm90_forward_available(q.device, padded) else "sm80 mma.sync"
     if sm90_forward_available(q.device, padded) and padded in SM90_BACKWARD_HEAD_DIMS:
-        # Dropout and deterministic=True backward calls take the sm80 dK/dV kernel (csrc/sm90/launch.h).
-        backward = "sm90 wgmma + TMA dK/dV (sm80 with dropout or deterministic=True)"
+        # deterministic=True backward calls take the sm80 kernels (csrc/sm90/launch.h).
+        backward = "sm90 wgmma + TMA dK/dV (sm80 with deterministic=True)"
     else:
         backward = "sm80 mma.sync"
     kernels = f"{forward} forward, {backward} backward"

@@ -25,6 +25,7 @@
 
 #include "../common/band_mask.cuh"
 #include "../common/dq_accum_layout.h"
+#include "../common/dropout_bits.cuh"
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
 #include "../common/warp_gemm.cuh"
@@ -70,16 +71,19 @@ struct BwdSm90Tile {
   static constexpr int kBarrierOffset = kDOffset + kStages * kStatBytes;
   static constexpr int kCounterOffset = kBarrierOffset + 8 * (1 + kStages);
   static constexpr int kSmemBytes = kCounterOffset + 4 * kStages + 1024;
-  // dQ's B operand (K, MN-major) covers kDqCols columns of one 64-column region: head_dim 128 only.
-  static_assert(kHeadDim == 128, "the sm90 backward is written for head_dim 128");
+  // dQ's B operand (K, MN-major) is kDqCols columns inside one 64-column region.
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm90 backward is written for head_dim 64 and 128");
 };
 
-// kExtras: softcap and ALiBi (common/score_mod.cuh). Dropout calls run the sm80 kernel.
-template <typename Element, int kHeadDim, bool kExtras>
+// kExtras: softcap and ALiBi (common/score_mod.cuh); kDropout (implies kExtras): dropout too, the keep
+// bits regenerated from the forward's Philox stream (common/dropout_bits.cuh), a variant of its own as in
+// the forward.
+template <typename Element, int kHeadDim, bool kExtras, bool kDropout>
 __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ BwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = BwdSm90Tile<kHeadDim>;
+  static_assert(kExtras || !kDropout, "the dropout variant includes softcap and ALiBi");
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
@@ -250,6 +254,13 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
                                band.end(first_query) >= warp_first_key + 16;
     const ScoreMod mod(params, batch, head, len_q, len_k);  // unused without kExtras
     const float first_query_on_diagonal = mod.row_on_diagonal(first_query + thread_query);
+    // Dropout: bit (half, j, e) set = element kept (warp-collective: every lane computes its share).
+    uint32_t keep_bits = ~0u;
+    if constexpr (kDropout) {
+      keep_bits = transposed_keep_bits<1, kNTilesS>(philox_seed_offset(params),
+                                                    static_cast<uint64_t>(batch) * params.heads_q + head,
+                                                    first_query + thread_query, thread_key, params.dropout_threshold);
+    }
     auto elementwise = [&](auto masked) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -275,14 +286,21 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
                                     static_cast<float>(key), tanh_value);
               grad_factor = 1.f - tanh_value * tanh_value;
             }
-            float p = exp2f(fmaf(score, params.scale_log2, -lse[query]));
-            float ds = p * grad_factor * (acc_dp[0][j][r] - d[query]);
+            // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep · scale - D) ∘ (1 - tanh²) takes P itself.
+            const float p = exp2f(fmaf(score, params.scale_log2, -lse[query]));
+            float p_for_dv = p, dp = acc_dp[0][j][r];
+            if constexpr (kDropout) {
+              const bool kept = keep_bits >> ((half * kNTilesS + j) * 2 + e) & 1;
+              p_for_dv = kept ? p * params.dropout_scale : 0.f;
+              dp = kept ? dp * params.dropout_scale : 0.f;
+            }
+            float ds = p * grad_factor * (dp - d[query]);
             if constexpr (decltype(masked)::value) {
               const bool visible = query >= lo && query <= hi;
-              p = visible ? p : 0.f;
+              p_for_dv = visible ? p_for_dv : 0.f;
               ds = visible ? ds : 0.f;
             }
-            acc_s[0][j][r] = p;
+            acc_s[0][j][r] = p_for_dv;
             acc_dp[0][j][r] = ds;
           }
         }
@@ -338,11 +356,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   auto issue_dq = [&](int i, float (&acc_dq)[kNTilesDq][4]) {
     named_barrier_sync(1 + 2 * (i % 2) + (1 - group), Tile::kThreads);
     const uint32_t ds_tile = smem_ds(i % 2);
+    // This warpgroup's columns of K: region group kDqCols / 64, 2 group kDqCols % 64 bytes into its rows.
+    const int first_col = group * Tile::kDqCols;
+    const uint32_t k_cols = smem_k + (first_col / 64) * kBlockN * 128 + (first_col % 64) * 2;
     wgmma_fence();
 #pragma unroll
     for (int t = 0; t < kBlockN / 16; ++t) {
       MmaDq::template ss<1, 1>(acc_dq, swizzle128_descriptor(ds_tile + t * 16 * 128, kBlockN * 128),
-                               swizzle128_descriptor(smem_k + group * kBlockN * 128 + t * 16 * 128, kBlockN * 128), t);
+                               swizzle128_descriptor(k_cols + t * 16 * 128, kBlockN * 128), t);
     }
     wgmma_commit();
   };

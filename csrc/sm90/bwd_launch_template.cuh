@@ -14,13 +14,11 @@ template <Elem16 kElem, int kHeadDim>
 bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
   using Tile = BwdSm90Tile<kHeadDim>;
   using Element = ElementOf<kElem>;
-  if (sm90_disabled() || params.dq_accum == nullptr || params.row_stats == nullptr || params.has_dropout()) {
-    return false;
-  }
-  if (!device_is_sm90()) return false;
+  if (sm90_disabled() || params.dq_accum == nullptr || params.row_stats == nullptr || !device_is_sm90()) return false;
   const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
-  const auto kernel = score_mods ? attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true>
-                                 : attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, false>;
+  const auto kernel = params.has_dropout() ? attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, true>
+                      : score_mods         ? attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, false>
+                                           : attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, false, false>;
   if (!has_sm90_code(kernel)) return false;
 
   // The tensors as TMA sees them (as in the forward): a variable-length batch is one packed batch entry.
