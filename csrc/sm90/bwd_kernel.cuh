@@ -392,20 +392,19 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   // instead, ptxas serialised the wgmmas for want of registers: C7511.)
   float acc_s[1][kNTilesS][4];   // Sᵀ, then Pᵀ in place
   float acc_dp[1][kNTilesS][4];  // dPᵀ, then dSᵀ in place
-  auto finish_dq = [&](int i) {
-    float acc_dq[kNTilesDq][4];
-    issue_dq(i, acc_dq);
-    wgmma_wait<0>();
-    register_fence(acc_dq);
-    add_dq(i, acc_dq);
-  };
   for (int i = 0; i < num_steps; ++i) {
-    if (i > 0) finish_dq(i - 1);
-    issue_scores(i, acc_s, acc_dp);
     if (i > 0) {
+      // Step i - 1's dQ, then step i's Sᵀ / dPᵀ: the dQ atomics run while Sᵀ / dPᵀ compute.
+      float acc_dq[kNTilesDq][4];
+      issue_dq(i - 1, acc_dq);
+      issue_scores(i, acc_s, acc_dp);
+      wgmma_wait<1>();  // dQ of step i - 1
+      register_fence(acc_dq);
+      add_dq(i - 1, acc_dq);
       issue_grads(i - 1);
       wgmma_wait<1>();  // Sᵀ, dPᵀ of step i; step i - 1's dV / dK may still run
     } else {
+      issue_scores(i, acc_s, acc_dp);
       wgmma_wait<0>();
     }
     register_fence(acc_s[0]);
@@ -418,7 +417,11 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
     store_p_ds(i, acc_s, acc_dp);
   }
   if (num_steps > 0) {
-    finish_dq(num_steps - 1);
+    float acc_dq[kNTilesDq][4];
+    issue_dq(num_steps - 1, acc_dq);
+    wgmma_wait<0>();
+    register_fence(acc_dq);
+    add_dq(num_steps - 1, acc_dq);
     issue_grads(num_steps - 1);
     wgmma_wait<0>();
     release_query_block(num_steps - 1);
