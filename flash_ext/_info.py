@@ -5,7 +5,7 @@ import torch
 
 SUPPORTED_CUDA_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 SM90_FORWARD_HEAD_DIMS = (64, 128, 256)  # scripts/generate_instantiations.py, SM90_FWD_HEAD_DIMS
-SM90_BACKWARD_HEAD_DIMS = (64, 128)  # SM90_BWD_HEAD_DIMS there
+SM90_BACKWARD_HEAD_DIMS = (64, 128, 256)  # SM90_BWD_HEAD_DIMS there
 
 
 def _build():

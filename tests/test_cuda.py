@@ -408,7 +408,7 @@ def backward_kernel_names(q, k, v, **kwargs):
 @pytest.mark.skipif(not torch.cuda.is_available() or not sm90_forward_expected(),
                     reason="needs a compute capability 9.0 GPU and a build with 90a")
 def test_sm90_backward_is_taken(monkeypatch):
-    """hd64 / hd128 backward calls (plain, causal, softcap, ALiBi, window, dropout, GQA, varlen) run the sm90
+    """hd64 / 128 / 256 backward calls (plain, causal, softcap, ALiBi, window, dropout, GQA, varlen) run the sm90
     dK/dV kernel; deterministic=True, other head dims and FLASH_EXT_DISABLE_SM90=1 the sm80 one. Its
     gradients match the deterministic sm80 path's within rounding."""
     q, k, v = make_qkv(2, 300, 333, 4, 2, 128, torch.bfloat16, device="cuda")
@@ -420,8 +420,9 @@ def test_sm90_backward_is_taken(monkeypatch):
     assert "sm90 wgmma + TMA dK/dV" in flash_ext.kernel_path(q)
     names = backward_kernel_names(q, k, v, deterministic=True)
     assert not any("dkdv_sm90" in name for name in names), f"deterministic: {names}"
-    q64, k64, v64 = make_qkv(2, 300, 333, 4, 2, 64, torch.bfloat16, device="cuda")
-    assert any("dkdv_sm90" in name for name in backward_kernel_names(q64, k64, v64, causal=True))
+    for head_dim in (64, 256):
+        qh, kh, vh = make_qkv(2, 300, 333, 4, 2, head_dim, torch.bfloat16, device="cuda")
+        assert any("dkdv_sm90" in name for name in backward_kernel_names(qh, kh, vh, causal=True)), head_dim
     q96, k96, v96 = make_qkv(2, 300, 333, 4, 2, 96, torch.bfloat16, device="cuda")
     assert not any("dkdv_sm90" in name for name in backward_kernel_names(q96, k96, v96))
     qv, kv, vv, cu_q, cu_k = make_varlen_qkv([37, 200, 0, 1], [50, 260, 9, 0], 4, 2, 128, torch.bfloat16, device="cuda")
@@ -449,7 +450,7 @@ def test_sm90_backward_is_taken(monkeypatch):
     assert not any("sm90" in name for name in names) and any("attention_bwd_dkdv_kernel" in n for n in names), names
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (17, 17), (129, 127), (1000, 1000)])
 def test_sm80_backward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim, monkeypatch):

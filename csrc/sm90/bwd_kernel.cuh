@@ -41,23 +41,33 @@ struct BwdTensorMaps {
   CUtensorMap q, dout, k, v;
 };
 
+// How the two warpgroups share a step's work (wgmma's M is 64 rows; a warpgroup's dK and dV accumulators,
+// 64 keys x kGradCols, take kGradCols registers per thread):
+//   head_dim <= 128: each owns 64 of the CTA's 128 keys: its rows of Sᵀ / dPᵀ over all kBlockM queries,
+//     its rows of dK / dV over the whole head dim;
+//   head_dim 256 (kSplitHeadDim): both work on the CTA's 64 keys; each computes Sᵀ / dPᵀ for half of the
+//     queries, and dK / dV for half of the head dim (so each needs the other's Pᵀ / dSᵀ).
+// Either way each computes dQ for half of the head dim (kDqCols) from both warpgroups' dSᵀ.
 template <int kHeadDim_>
 struct BwdSm90Tile {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockN = 128;  // keys per CTA: 64 per warpgroup
-  static constexpr int kBlockM = 64;   // queries per step
+  static constexpr bool kSplitHeadDim = kHeadDim > 128;
+  static constexpr int kBlockN = kSplitHeadDim ? 64 : 128;  // keys per CTA
+  static constexpr int kBlockM = 64;                        // queries per step
+  static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM / 2 : kBlockM;  // a warpgroup's Sᵀ columns
+  static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;    // its dK / dV columns
   // Query-block buffers: step i's buffer is released in step i + 1, once its dV / dK (the last GEMMs
   // reading it) completed, and the reload has the rest of step i + 1 and step i + 2 to land (a step takes
   // ~2.5 us at hd128, a TMA load ~1 us). Shared memory at hd128: K, V 64 KB + 3 x 32 KB + Pᵀ, dSᵀ 2 x 2 x
-  // 16 KB = 224 KB.
-  static constexpr int kStages = 3;
+  // 16 KB = 224 KB; at hd256 two buffers: 64 + 2 x 64 + 2 x 2 x 8 KB = 224 KB.
+  static constexpr int kStages = kSplitHeadDim ? 2 : 3;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kColumnRegions = kHeadDim / 64;  // 64 16-bit columns = one 128-byte row
   static constexpr int kDqCols = kHeadDim / 2;          // dQ columns per warpgroup
   static constexpr int kKvBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // a Q or dO tile
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // Pᵀ or dSᵀ: 128 key rows of 64 queries (128 bytes)
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // Pᵀ or dSᵀ: kBlockN key rows of 64 queries (128 bytes)
   static constexpr int kStatBytes = kBlockM * 4;          // a block's lse log2(e), or its D
   // K, V, Q[stage], dO[stage], dSᵀ[2], lse[stage], D[stage], the mbarriers (K and V, Q[stage]) and the
   // release counters; +1024 to align the base (the swizzle is computed from absolute addresses).
@@ -71,8 +81,8 @@ struct BwdSm90Tile {
   static constexpr int kBarrierOffset = kDOffset + kStages * kStatBytes;
   static constexpr int kCounterOffset = kBarrierOffset + 8 * (1 + kStages);
   static constexpr int kSmemBytes = kCounterOffset + 4 * kStages + 1024;
-  // dQ's B operand (K, MN-major) is kDqCols columns inside one 64-column region.
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm90 backward is written for head_dim 64 and 128");
+  // dQ's B operand (K, MN-major) is kDqCols columns inside one 64-column region, or whole regions.
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "the sm90 backward's head dims");
 };
 
 // kExtras: softcap and ALiBi (common/score_mod.cuh); kDropout (implies kExtras): dropout too, the keep
@@ -87,8 +97,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
-  constexpr int kNTilesS = kBlockM / 8;         // a warpgroup's Sᵀ: 64 keys x kBlockM queries
-  constexpr int kNTilesGrad = kHeadDim / 8;     // dK, dV: 64 keys x head_dim
+  constexpr int kNTilesS = Tile::kScoreQueries / 8;  // a warpgroup's Sᵀ: 64 keys x kScoreQueries queries
+  constexpr int kNTilesGrad = Tile::kGradCols / 8;   // dK, dV: 64 keys x kGradCols
   constexpr int kNTilesDq = Tile::kDqCols / 8;  // dQ: kBlockM queries x kDqCols
 
   extern __shared__ unsigned char smem_raw[];
@@ -173,8 +183,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int group = warp / 4;  // warpgroup: keys 64 group .. + 63 of the block
+  const int group = warp / 4;
   const int warp_in_group = warp % 4;
+  // This warpgroup's share (BwdSm90Tile): its first key of the block, first query of Sᵀ, first dK / dV column.
+  const int group_first_key = Tile::kSplitHeadDim ? 0 : 64 * group;
+  const int group_first_query = Tile::kSplitHeadDim ? Tile::kScoreQueries * group : 0;
+  const int group_first_grad_col = Tile::kSplitHeadDim ? Tile::kGradCols * group : 0;
   // Called by each warp once its wgmmas reading step i's buffer completed: the last of the 8 reloads it.
   auto release_query_block = [&](int i) {
     if (lane == 0) {
@@ -189,31 +203,32 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   };
 
   // Operand descriptors (k-step t):
-  //   Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: A = the warpgroup's 64 rows of K / V, B = Q / dO, both K-major over the head
-  //     dim: region t / 4, 32 bytes per step inside it.
-  //   dV += Pᵀ dO, dK += dSᵀ Q: B = dO / Q MN-major, queries 16t .. 16t + 15, regions kBlockM rows apart.
+  //   Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: A = the warpgroup's 64 rows of K / V, B = its kScoreQueries rows of Q / dO,
+  //     both K-major over the head dim: region t / 4, 32 bytes per step inside it.
+  //   dV += Pᵀ dO, dK += dSᵀ Q: B = the warpgroup's kGradCols columns of dO / Q, MN-major, queries 16t ..
+  //     16t + 15, regions kBlockM rows apart.
   //   dQ = dS K: A = dS, MN-major (the stored dSᵀ: keys 16t .. + 15 of 128-byte query rows); B = the
-  //     warpgroup's 64-column region of K, MN-major, keys 16t .. + 15.
+  //     warpgroup's kDqCols columns of K, MN-major, keys 16t .. + 15.
   auto kv_scores_descriptor = [&](uint32_t tile, int t) {
-    return swizzle128_descriptor(tile + (t / 4) * kBlockN * 128 + group * 64 * 128 + (t % 4) * 32, 16);
+    return swizzle128_descriptor(tile + (t / 4) * kBlockN * 128 + group_first_key * 128 + (t % 4) * 32, 16);
   };
   auto query_scores_descriptor = [&](uint32_t tile, int t) {
-    return swizzle128_descriptor(tile + (t / 4) * kBlockM * 128 + (t % 4) * 32, 16);
+    return swizzle128_descriptor(tile + (t / 4) * kBlockM * 128 + group_first_query * 128 + (t % 4) * 32, 16);
   };
   auto query_grad_descriptor = [&](uint32_t tile, int t) {
-    return swizzle128_descriptor(tile + t * 16 * 128, kBlockM * 128);
+    return swizzle128_descriptor(tile + (group_first_grad_col / 64) * kBlockM * 128 + t * 16 * 128, kBlockM * 128);
   };
-  using MmaS = Wgmma<Element, kBlockM>;
-  using MmaGrad = Wgmma<Element, kHeadDim>;
+  using MmaS = Wgmma<Element, Tile::kScoreQueries>;
+  using MmaGrad = Wgmma<Element, Tile::kGradCols>;
   using MmaDq = Wgmma<Element, Tile::kDqCols>;
 
   // This thread's score elements: keys thread_key + 8 half (of the sequence), queries
   // thread_query + 8 j + e (of the block).
-  const int warp_first_key = first_key + 64 * group + 16 * warp_in_group;
+  const int warp_first_key = first_key + group_first_key + 16 * warp_in_group;
   const int thread_key = warp_first_key + lane / 4;
-  const int thread_query = 2 * (lane % 4);
+  const int thread_query = group_first_query + 2 * (lane % 4);
   // stmatrix of dSᵀ: lane l addresses row l % 8 of matrix l / 8 = (keys + 8 (l / 8 % 2), queries + 8 (l / 16)).
-  const int ds_store_row = 64 * group + 16 * warp_in_group + lane % 8 + 8 * (lane / 8 % 2);
+  const int ds_store_row = group_first_key + 16 * warp_in_group + lane % 8 + 8 * (lane / 8 % 2);
   // dQ atomics: this warp adds rows 16 warp_in_group .. + 15 of the block, columns group kDqCols .. of the head.
   const DqAccumLayout dq_layout{params.dq_accum_rows, kHeadDim};
   constexpr int kRowGroupStride = DqAccumLayout::row_group_stride(kHeadDim);
@@ -321,7 +336,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
     auto store = [&](uint32_t tile) {
 #pragma unroll
       for (int jj = 0; jj < kNTilesS / 2; ++jj) {
-        const int chunk = 2 * jj + lane / 16;  // 16-byte chunk of the 128-byte row
+        const int chunk = group_first_query / 8 + 2 * jj + lane / 16;  // 16-byte chunk of the 128-byte row
         stmatrix_x4(tile + ds_store_row * 128 + ((chunk ^ (ds_store_row % 8)) * 16),
                     {frag[0][jj][0], frag[0][jj][1], frag[0][jj][2], frag[0][jj][3]});
       }
@@ -338,7 +353,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   // the block's queries): issued and committed, not waited for.
   auto issue_grads = [&](int i) {
     const int stage = i % kStages;
-    auto own_rows = [&](uint32_t tile, int t) { return swizzle128_descriptor(tile + group * 64 * 128 + t * 32, 16); };
+    auto own_rows = [&](uint32_t tile, int t) {
+      return swizzle128_descriptor(tile + group_first_key * 128 + t * 32, 16);
+    };
     wgmma_fence();
 #pragma unroll
     for (int t = 0; t < kBlockM / 16; ++t) {
@@ -429,7 +446,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   register_fence(acc_dk);
   register_fence(acc_dv);
 
-  // dK = scale dSᵀ Q and dV: each thread writes keys thread_key (+ 8) and two columns per n-tile.
+  // dK = scale dSᵀ Q and dV: each thread writes keys thread_key (+ 8) and two columns per n-tile of the
+  // warpgroup's columns.
   Element* dk = static_cast<Element*>(params.dk) + batch * params.dk_strides.batch + kv_head * params.dk_strides.head;
   Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_strides.batch + kv_head * params.dv_strides.head;
 #pragma unroll
@@ -439,7 +457,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
     const int64_t key = k_span.begin + key_in_sequence;  // row in the (packed) dk and dv
 #pragma unroll
     for (int j = 0; j < kNTilesGrad; ++j) {
-      const int col = 8 * j + 2 * (lane % 4);
+      const int col = group_first_grad_col + 8 * j + 2 * (lane % 4);
       *reinterpret_cast<uint32_t*>(dv + key * params.dv_strides.row + col) =
           pack_float2<Element>(acc_dv[j][2 * half], acc_dv[j][2 * half + 1]);
       *reinterpret_cast<uint32_t*>(dk + key * params.dk_strides.row + col) =

@@ -21,7 +21,7 @@ template <Elem16 kElem, int kHeadDim>
 bool run_attention_fwd(const FwdParams& params, cudaStream_t stream);
 
 // The head dims with an sm90 dK/dV kernel.
-constexpr bool has_bwd_kernel(int head_dim) { return head_dim == 64 || head_dim == 128; }
+constexpr bool has_bwd_kernel(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 // Runs the backward's dK/dV kernel (between the sm80 launcher's preprocess and dQ conversion: dK, dV
 // written, dQ added into params.dq_accum) and returns true where the sm90 kernel takes the call: as the
