@@ -204,14 +204,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   const int group_first_grad_col = Tile::kSplitHeadDim ? Tile::kGradCols * group : 0;
   // Called by each warp once its wgmmas reading step i's buffer completed: the last of the 8 reloads it.
   auto release_query_block = [&](int i) {
-    if (lane == 0) {
-      const int stage = i % kStages;
-      __threadfence_block();
-      if (atomicAdd(&release_count[stage], 1) == Tile::kWarps - 1) {
-        release_count[stage] = 0;
-        __threadfence_block();
-        if (i + kStages < num_steps) load_query_block(i + kStages);
-      }
+    if (last_warp_to_release<Tile::kWarps>(&release_count[i % kStages]) && i + kStages < num_steps) {
+      load_query_block(i + kStages);
     }
   };
 

@@ -202,14 +202,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   // Called by each warp once the wgmmas that read block i's buffers completed: the last of the 8 warps
   // reloads the buffer with block i + kStages.
   auto release_key_block = [&](int i) {
-    if (lane == 0) {
-      const int stage = i % kStages;
-      __threadfence_block();
-      if (atomicAdd(&release_count[stage], 1) == Tile::kWarps - 1) {
-        release_count[stage] = 0;
-        __threadfence_block();
-        if (i + kStages < num_blocks) load_key_block(i + kStages);
-      }
+    if (last_warp_to_release<Tile::kWarps>(&release_count[i % kStages]) && i + kStages < num_blocks) {
+      load_key_block(i + kStages);
     }
   };
 

@@ -95,6 +95,19 @@ __device__ __forceinline__ void register_fence(float (&tile)[kRows][kCols]) {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Counts one warp's release of a buffer (`counter`, in shared memory: how many of the kWarps warps are done
+// with it) and returns true in lane 0 of the last of them, with the counter reset: that warp reloads the
+// buffer, so no warp waits for a producer. Call from every lane.
+template <int kWarps>
+__device__ __forceinline__ bool last_warp_to_release(int* counter) {
+  if (threadIdx.x % 32 != 0) return false;
+  __threadfence_block();
+  if (atomicAdd(counter, 1) != kWarps - 1) return false;
+  *counter = 0;
+  __threadfence_block();
+  return true;
+}
+
 // Arrives at a named barrier without waiting (the threads that wait for it call named_barrier_sync with the
 // same total count).
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
