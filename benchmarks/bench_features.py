@@ -11,12 +11,17 @@ the plain kernel it should be measured against (issue targets in parentheses):
 
 bf16, head_dim 128, 16 heads; fwd and bwd (deterministic=False) timed with triton's do_bench median.
 FLOPs count only the visible (query, key) pairs: 4 * heads * head_dim * pairs (bwd 2.5x).
+The window and softcap / ALiBi / dropout comparisons time their variants in turn, ROUNDS times over, and
+report each variant's median over the rounds: the same kernel's time moves by 2-3% between the minutes of
+one device call (clocks, temperature), and timed once each, a variant and its baseline could fall on
+different sides of such a move.
 
     python benchmarks/bench_features.py [--json PATH]
 """
 import argparse
 import json
 import random
+import statistics
 
 import torch
 from triton.testing import do_bench
@@ -24,6 +29,7 @@ from triton.testing import do_bench
 import flash_ext
 
 HEADS, HEAD_DIM, DTYPE = 16, 128, torch.bfloat16
+ROUNDS = 3
 
 
 def visible_pairs(len_q, len_k, window_left=-1, window_right=-1):
@@ -47,6 +53,15 @@ def time_fwd_bwd(call, inputs):
     dout = torch.randn_like(out)
     bwd_ms = timed(lambda: out.backward(dout, retain_graph=True), grads=list(inputs))
     return fwd_ms, bwd_ms
+
+
+def interleaved(calls, inputs):
+    """{name: (fwd_ms, bwd_ms)}: the median over ROUNDS rounds, each timing every call in turn."""
+    times = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            times[name].append(time_fwd_bwd(call, inputs))
+    return {name: tuple(statistics.median(t[i] for t in runs) for i in range(2)) for name, runs in times.items()}
 
 
 def rows_for(case, label, pairs, fwd_ms, bwd_ms, **extra):
@@ -92,14 +107,15 @@ def bench_window():
     rows = []
     inputs = dense_inputs(1, 16384)
     for window, causal in (((1024, 0), True), ((1024, 1024), False)):
-        full = lambda q, k, v: flash_ext.attention(q, k, v, causal=causal)  # noqa: E731
-        band = lambda q, k, v: flash_ext.attention(q, k, v, window_size=window)  # noqa: E731
+        ms = interleaved({"full": lambda q, k, v: flash_ext.attention(q, k, v, causal=causal),  # noqa: B023
+                          "band": lambda q, k, v: flash_ext.attention(q, k, v, window_size=window)},  # noqa: B023
+                         inputs)
         full_pairs = visible_pairs(16384, 16384, -1, 0 if causal else -1)
         band_pairs = visible_pairs(16384, 16384, *window)
-        full_rows = rows_for("dense", f"seqlen 16k causal={causal}", full_pairs, *time_fwd_bwd(full, inputs),
-                             causal=causal, seqlen=16384)
-        band_rows = rows_for("window", f"window {window} seqlen 16k", band_pairs, *time_fwd_bwd(band, inputs),
-                             window=list(window), seqlen=16384)
+        full_rows = rows_for("dense", f"seqlen 16k causal={causal}", full_pairs, *ms["full"],
+                             causal=causal, seqlen=16384, rounds=ROUNDS)
+        band_rows = rows_for("window", f"window {window} seqlen 16k", band_pairs, *ms["band"],
+                             window=list(window), seqlen=16384, rounds=ROUNDS)
         for f, b in zip(full_rows, band_rows):
             b["time_ratio_to_full"] = b["ms"] / f["ms"]
             b["area_ratio"] = band_pairs / full_pairs
@@ -117,10 +133,11 @@ def bench_score_mods():
     variants = (("dense", "plain", {}), ("softcap", "softcap=30", dict(softcap=30.0)),
                 ("alibi", "alibi per-head slopes", dict(alibi_slopes=slopes)),
                 ("dropout", "dropout_p=0.17", dict(dropout_p=0.17)))
+    ms = interleaved({case: (lambda q, k, v, kwargs=kwargs: flash_ext.attention(q, k, v, **kwargs))
+                      for case, _, kwargs in variants}, inputs)
     plain = None
-    for case, label, kwargs in variants:
-        call = lambda q, k, v, kwargs=kwargs: flash_ext.attention(q, k, v, **kwargs)  # noqa: E731
-        new = rows_for(case, label + " seqlen 8k", pairs, *time_fwd_bwd(call, inputs), seqlen=8192)
+    for case, label, _ in variants:
+        new = rows_for(case, label + " seqlen 8k", pairs, *ms[case], seqlen=8192, rounds=ROUNDS)
         if plain is None:
             plain = new
         else:

@@ -79,6 +79,17 @@ def test_alibi(causal, head_dim, per_batch, deterministic):
                                 deterministic=deterministic)
 
 
+@pytest.mark.parametrize("features", [{}, {"softcap": 20.0}, {"causal": True}, {"window_size": (300, 200)}],
+                         ids=["full", "softcap", "causal", "window"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_alibi_long_rows(head_dim, features):
+    """Many key blocks on either side of the diagonal (the forward splits ALiBi's bias into a column and a
+    row term there), small slopes so that far blocks still carry weight, seqlen_q != seqlen_k."""
+    q, k, v = make_qkv(2, 700, 1000, 4, 2, head_dim, torch.bfloat16, device="cuda")
+    slopes = torch.tensor([[0.002, 0.01, 0.04, 0.2], [0.005, 0.02, 0.08, 0.3]], device="cuda")
+    check_forward_and_gradients(q * 2, k, v, alibi_slopes=slopes, **features)
+
+
 VARLEN_LENGTHS = {
     "mixed": ([5, 0, 70, 1, 300, 129], [9, 3, 64, 1, 300, 200]),
     "equal": ([128, 128], [128, 128]),
