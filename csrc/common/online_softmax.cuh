@@ -41,6 +41,11 @@ __device__ __forceinline__ float tree_reduce(const float (&tiles)[kNTiles][4], i
   return partial[0];
 }
 
+// Row offsets (ALiBi's row terms, common/score_tile.cuh's modify_scores): where a caller passes
+// row_offset, the true score of an element of row r is its acc_s value plus row_offset[r]. The offset
+// differs between the four threads of a quad (each holds other columns), so it is added to each
+// thread's partial max before the quad's reduction, and per row to exp2's base: two instructions per
+// row instead of one per score.
 template <int kMTiles>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;  // rows this thread holds: (m-tile, upper/lower half)
@@ -69,50 +74,13 @@ struct OnlineSoftmax {
   template <bool kIsFirst, int kNTilesS, int kNTilesO>
   __device__ __forceinline__ void update(float (&acc_s)[kMTiles][kNTilesS][4], float (&acc_o)[kMTiles][kNTilesO][4],
                                          float scale_log2) {
-    float block_max[kRows];
-    bool raise_max[kRows];
-    const bool any_raise = block_maxima(acc_s, scale_log2, block_max, raise_max);
-    if (kIsFirst || __any_sync(0xffffffff, any_raise)) {
-#pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = 2 * mi + half;
-          if (!raise_max[r]) continue;
-          if (!kIsFirst) {  // acc_o and row_sum are still zero on the first block
-            const float rescale = exp2f((row_max[r] - block_max[r]) * scale_log2);  // 0 if row_max was -inf
-            row_sum[r] *= rescale;
-#pragma unroll
-            for (int nd = 0; nd < kNTilesO; ++nd) {
-              acc_o[mi][nd][2 * half] *= rescale;
-              acc_o[mi][nd][2 * half + 1] *= rescale;
-            }
-          }
-          row_max[r] = block_max[r];
-        }
-      }
-    }
-    exponentiate(acc_s, scale_log2);
+    const float no_offset[kRows] = {};
+    update_impl<kIsFirst, false>(acc_s, acc_o, scale_log2, no_offset);
   }
-
-  // Each row's max over this block (block_max) and whether its base must be raised (raise_max);
-  // returns whether any of this thread's rows must.
-  template <int kNTilesS>
-  __device__ __forceinline__ bool block_maxima(const float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
-                                               float (&block_max)[kRows], bool (&raise_max)[kRows]) const {
-    bool any_raise = false;
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 2 * mi + half;
-        block_max[r] = quad_max(tree_reduce<kNTilesS>(acc_s[mi], half, [](float a, float b) { return fmaxf(a, b); }));
-        // NaN when both are -inf (row still empty): compares false, the row keeps base 0.
-        raise_max[r] = (block_max[r] - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
-        any_raise |= raise_max[r];
-      }
-    }
-    return any_raise;
+  template <bool kIsFirst, int kNTilesS, int kNTilesO>
+  __device__ __forceinline__ void update(float (&acc_s)[kMTiles][kNTilesS][4], float (&acc_o)[kMTiles][kNTilesO][4],
+                                         float scale_log2, const float (&row_offset)[kRows]) {
+    update_impl<kIsFirst, true>(acc_s, acc_o, scale_log2, row_offset);
   }
 
   // update() in steps, for a caller that rescales O later (the sm90 forward: its O is still being
@@ -125,22 +93,13 @@ struct OnlineSoftmax {
   template <bool kIsFirst, int kNTilesS>
   __device__ __forceinline__ bool raise_bases(const float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
                                               float (&o_factor)[kRows]) {
-    float block_max[kRows];
-    bool raise_max[kRows];
-    const bool any_raise = block_maxima(acc_s, scale_log2, block_max, raise_max);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) o_factor[r] = 1.f;
-    if (!kIsFirst && !__any_sync(0xffffffff, any_raise)) return false;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (!raise_max[r]) continue;
-      if (!kIsFirst) {  // acc_o and row_sum are still zero on the first block
-        o_factor[r] = exp2f((row_max[r] - block_max[r]) * scale_log2);  // 0 if row_max was -inf
-        row_sum[r] *= o_factor[r];
-      }
-      row_max[r] = block_max[r];
-    }
-    return true;
+    const float no_offset[kRows] = {};
+    return raise_bases_impl<kIsFirst, false>(acc_s, scale_log2, no_offset, o_factor);
+  }
+  template <bool kIsFirst, int kNTilesS>
+  __device__ __forceinline__ bool raise_bases(const float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
+                                              const float (&row_offset)[kRows], float (&o_factor)[kRows]) {
+    return raise_bases_impl<kIsFirst, true>(acc_s, scale_log2, row_offset, o_factor);
   }
 
   template <int kNTilesO>
@@ -161,22 +120,13 @@ struct OnlineSoftmax {
   // Scores -> unnormalised probabilities exp2(s * scale_log2 - base), added into the row sums.
   template <int kNTilesS>
   __device__ __forceinline__ void exponentiate(float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2) {
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 2 * mi + half;
-        const float base = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
-#pragma unroll
-        for (int nj = 0; nj < kNTilesS; ++nj) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            acc_s[mi][nj][2 * half + e] = exp2f(fmaf(acc_s[mi][nj][2 * half + e], scale_log2, -base));
-          }
-        }
-        row_sum[r] += tree_reduce<kNTilesS>(acc_s[mi], half, [](float a, float b) { return a + b; });
-      }
-    }
+    const float no_offset[kRows] = {};
+    exponentiate_impl<false>(acc_s, scale_log2, no_offset);
+  }
+  template <int kNTilesS>
+  __device__ __forceinline__ void exponentiate(float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
+                                               const float (&row_offset)[kRows]) {
+    exponentiate_impl<true>(acc_s, scale_log2, row_offset);
   }
 
   // Normalises acc_o by the row sums and returns each row's natural-log logsumexp of the
@@ -198,6 +148,104 @@ struct OnlineSoftmax {
           acc_o[mi][nd][2 * half] *= inv_sum;
           acc_o[mi][nd][2 * half + 1] *= inv_sum;
         }
+      }
+    }
+  }
+
+ private:
+  // kOffsets false: row_offset is not read (the plain kernels' code is the same as without it).
+  template <bool kIsFirst, bool kOffsets, int kNTilesS, int kNTilesO>
+  __device__ __forceinline__ void update_impl(float (&acc_s)[kMTiles][kNTilesS][4],
+                                              float (&acc_o)[kMTiles][kNTilesO][4], float scale_log2,
+                                              const float (&row_offset)[kRows]) {
+    float block_max[kRows];
+    bool raise_max[kRows];
+    const bool any_raise = block_maxima<kOffsets>(acc_s, scale_log2, row_offset, block_max, raise_max);
+    if (kIsFirst || __any_sync(0xffffffff, any_raise)) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = 2 * mi + half;
+          if (!raise_max[r]) continue;
+          if (!kIsFirst) {  // acc_o and row_sum are still zero on the first block
+            const float rescale = exp2f((row_max[r] - block_max[r]) * scale_log2);  // 0 if row_max was -inf
+            row_sum[r] *= rescale;
+#pragma unroll
+            for (int nd = 0; nd < kNTilesO; ++nd) {
+              acc_o[mi][nd][2 * half] *= rescale;
+              acc_o[mi][nd][2 * half + 1] *= rescale;
+            }
+          }
+          row_max[r] = block_max[r];
+        }
+      }
+    }
+    exponentiate_impl<kOffsets>(acc_s, scale_log2, row_offset);
+  }
+
+  template <bool kIsFirst, bool kOffsets, int kNTilesS>
+  __device__ __forceinline__ bool raise_bases_impl(const float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
+                                                   const float (&row_offset)[kRows], float (&o_factor)[kRows]) {
+    float block_max[kRows];
+    bool raise_max[kRows];
+    const bool any_raise = block_maxima<kOffsets>(acc_s, scale_log2, row_offset, block_max, raise_max);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) o_factor[r] = 1.f;
+    if (!kIsFirst && !__any_sync(0xffffffff, any_raise)) return false;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (!raise_max[r]) continue;
+      if (!kIsFirst) {  // acc_o and row_sum are still zero on the first block
+        o_factor[r] = exp2f((row_max[r] - block_max[r]) * scale_log2);  // 0 if row_max was -inf
+        row_sum[r] *= o_factor[r];
+      }
+      row_max[r] = block_max[r];
+    }
+    return true;
+  }
+
+  // Each row's max over this block (block_max) and whether its base must be raised (raise_max);
+  // returns whether any of this thread's rows must.
+  template <bool kOffsets, int kNTilesS>
+  __device__ __forceinline__ bool block_maxima(const float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
+                                               const float (&row_offset)[kRows], float (&block_max)[kRows],
+                                               bool (&raise_max)[kRows]) const {
+    bool any_raise = false;
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mi + half;
+        float thread_max = tree_reduce<kNTilesS>(acc_s[mi], half, [](float a, float b) { return fmaxf(a, b); });
+        if constexpr (kOffsets) thread_max += row_offset[r];
+        block_max[r] = quad_max(thread_max);
+        // NaN when both are -inf (row still empty): compares false, the row keeps base 0.
+        raise_max[r] = (block_max[r] - row_max[r]) * scale_log2 > kRescaleThresholdLog2;
+        any_raise |= raise_max[r];
+      }
+    }
+    return any_raise;
+  }
+
+  template <bool kOffsets, int kNTilesS>
+  __device__ __forceinline__ void exponentiate_impl(float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
+                                                    const float (&row_offset)[kRows]) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mi + half;
+        float base = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
+        if constexpr (kOffsets) base = fmaf(-row_offset[r], scale_log2, base);
+#pragma unroll
+        for (int nj = 0; nj < kNTilesS; ++nj) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            acc_s[mi][nj][2 * half + e] = exp2f(fmaf(acc_s[mi][nj][2 * half + e], scale_log2, -base));
+          }
+        }
+        row_sum[r] += tree_reduce<kNTilesS>(acc_s[mi], half, [](float a, float b) { return a + b; });
       }
     }
   }

@@ -46,33 +46,87 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTilesS][4]
 // instead of 3 for softcap, 2 for ALiBi; the forward with either was +21-22% over plain attention at
 // hd128, 8k on the H200 once plain attention no longer waited on its copies).
 template <int kMTiles, int kNTilesS>
-__device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
-                                              const ScoreMod& mod) {
-  const int lane = threadIdx.x % 32;
-  if (mod.has_softcap()) {
+__device__ __forceinline__ void apply_softcap(float (&acc_s)[kMTiles][kNTilesS][4], const ScoreMod& mod) {
 #pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int nj = 0; nj < kNTilesS; ++nj) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc_s[mi][nj][r] = mod.fwd_tanh(acc_s[mi][nj][r]);
+    }
+  }
+}
+
+// ALiBi per score: bias -slope * |row_on_diagonal - key| (an FADD and an FFMA per score).
+template <int kMTiles, int kNTilesS>
+__device__ __forceinline__ void add_alibi(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
+                                          const ScoreMod& mod) {
+  const int lane = threadIdx.x % 32;
+  const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float row_on_diagonal = mod.row_on_diagonal(first_row + mi * 16 + lane / 4 + 8 * half);
 #pragma unroll
       for (int nj = 0; nj < kNTilesS; ++nj) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc_s[mi][nj][r] = mod.fwd_tanh(acc_s[mi][nj][r]);
+        for (int e = 0; e < 2; ++e) {
+          float& score = acc_s[mi][nj][2 * half + e];
+          score = mod.fwd_with_alibi(score, row_on_diagonal, first_key_of_thread + (nj * 8 + e));
+        }
       }
     }
   }
-  if (mod.has_alibi()) {
-    const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
+}
+
+template <int kMTiles, int kNTilesS>
+__device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
+                                              const ScoreMod& mod) {
+  if (mod.has_softcap()) apply_softcap(acc_s, mod);
+  if (mod.has_alibi()) add_alibi(acc_s, first_row, first_key, mod);
+}
+
+// The same, with ALiBi split into a column term and a row term where the warp's block of keys lies
+// wholly on one side of each of its rows' diagonal key d (key <= d for every row and key, or key >= d):
+// there -slope |d - key| = sigma (key - d) with sigma = slope (left) or -slope (right), and with key =
+// k0 + j (k0 the thread's first key, j = 8 nj + e a constant of the unrolled loop) that is
+// sigma j (one FFMA per score, j an immediate) plus sigma (k0 - d), a value per row of the thread,
+// returned in row_offset for the online softmax (online_softmax.cuh) to add once per row. Blocks that
+// cross a diagonal (with causal masking: the diagonal blocks) take add_alibi, row_offset 0. Rounding:
+// sigma j and sigma (k0 - d) are rounded separately instead of their sum; the difference, below
+// 2^-24 |sigma (k0 - d)|, matters only where that term is a few logits from the row max, i.e. tiny.
+template <int kMTiles, int kNTilesS>
+__device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
+                                              const ScoreMod& mod, float (&row_offset)[2 * kMTiles]) {
 #pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
+  for (int r = 0; r < 2 * kMTiles; ++r) row_offset[r] = 0.f;
+  if (mod.has_softcap()) apply_softcap(acc_s, mod);
+  if (!mod.has_alibi()) return;
+  const int last_row = first_row + 16 * kMTiles - 1, last_key = first_key + 8 * kNTilesS - 1;
+  float sigma;
+  if (last_key <= first_row + mod.diagonal_offset) {
+    sigma = mod.slope_fwd;  // every key at or left of every row's diagonal
+  } else if (first_key >= last_row + mod.diagonal_offset) {
+    sigma = -mod.slope_fwd;  // every key at or right of it
+  } else {
+    add_alibi(acc_s, first_row, first_key, mod);
+    return;
+  }
+  const int lane = threadIdx.x % 32;
+  const int first_key_of_thread = first_key + 2 * (lane % 4);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float row_on_diagonal = mod.row_on_diagonal(first_row + mi * 16 + lane / 4 + 8 * half);
+  for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
-        for (int nj = 0; nj < kNTilesS; ++nj) {
+    for (int half = 0; half < 2; ++half) {
+      const int row_on_diagonal = first_row + mi * 16 + lane / 4 + 8 * half + mod.diagonal_offset;
+      row_offset[2 * mi + half] = sigma * static_cast<float>(first_key_of_thread - row_on_diagonal);
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& score = acc_s[mi][nj][2 * half + e];
-            score = mod.fwd_with_alibi(score, row_on_diagonal, first_key_of_thread + (nj * 8 + e));
-          }
+      for (int nj = 0; nj < kNTilesS; ++nj) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& score = acc_s[mi][nj][2 * half + e];
+          score = fmaf(sigma, static_cast<float>(nj * 8 + e), score);
         }
       }
     }

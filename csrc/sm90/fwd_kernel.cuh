@@ -260,14 +260,21 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
     auto scores_to_p = [&](int i, float (&acc_s)[1][kNTilesS][4], uint32_t (&p_frag)[1][kBlockN / 16][4],
                            float (&o_factor)[2]) {
       const int key_block = num_key_blocks - 1 - i;
+      float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
       if constexpr (kExtras) {
-        if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod);
+        if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
       }
       if (key_block >= hi_unmasked || key_block < lo_unmasked) {
         mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
       }
-      const bool rescale = softmax.template raise_bases<false>(acc_s, score_scale_log2, o_factor);
-      softmax.exponentiate(acc_s, score_scale_log2);
+      bool rescale;
+      if constexpr (kExtras) {
+        rescale = softmax.template raise_bases<false>(acc_s, score_scale_log2, row_offset, o_factor);
+        softmax.exponentiate(acc_s, score_scale_log2, row_offset);
+      } else {
+        rescale = softmax.template raise_bases<false>(acc_s, score_scale_log2, o_factor);
+        softmax.exponentiate(acc_s, score_scale_log2);
+      }
       accumulator_to_a_fragments<Element>(acc_s, p_frag);
       if constexpr (kDropout) {
         if (params.has_dropout()) drop_probabilities(p_frag, first_row + warp_first_row, key_block * kBlockN, params);
@@ -344,13 +351,18 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
       if (!decltype(is_first)::value) release_key_block(i - 1);
 
       if constexpr (kExtras) {
-        if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod);
+        float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
+        if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
+        if constexpr (decltype(needs_mask)::value) {
+          mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+        }
+        softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.fwd_score_scale_log2, row_offset);
+      } else {
+        if constexpr (decltype(needs_mask)::value) {
+          mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+        }
+        softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.scale_log2);
       }
-      if constexpr (decltype(needs_mask)::value) {
-        mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
-      }
-      softmax.template update<decltype(is_first)::value>(acc_s, acc_o,
-                                                         kExtras ? params.fwd_score_scale_log2 : params.scale_log2);
       uint32_t p_frag[1][kBlockN / 16][4];
       accumulator_to_a_fragments<Element>(acc_s, p_frag);
       if constexpr (kDropout) {
