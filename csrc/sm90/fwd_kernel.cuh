@@ -260,18 +260,19 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
     auto scores_to_p = [&](int i, float (&acc_s)[1][kNTilesS][4], uint32_t (&p_frag)[1][kBlockN / 16][4],
                            float (&o_factor)[2]) {
       const int key_block = num_key_blocks - 1 - i;
-      float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
-      if constexpr (kExtras) {
-        if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
-      }
-      if (key_block >= hi_unmasked || key_block < lo_unmasked) {
-        mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
-      }
       bool rescale;
       if constexpr (kExtras) {
+        float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
+        if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
+        if (key_block >= hi_unmasked || key_block < lo_unmasked) {
+          mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+        }
         rescale = softmax.template raise_bases<false>(acc_s, score_scale_log2, row_offset, o_factor);
         softmax.exponentiate(acc_s, score_scale_log2, row_offset);
       } else {
+        if (key_block >= hi_unmasked || key_block < lo_unmasked) {
+          mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+        }
         rescale = softmax.template raise_bases<false>(acc_s, score_scale_log2, o_factor);
         softmax.exponentiate(acc_s, score_scale_log2);
       }
