@@ -3,8 +3,8 @@
 // (D, the zeroed fp32 dQ accumulator, params.row_stats) and the dQ conversion are the sm80 launcher's.
 //
 // A CTA owns kBlockN = 128 keys of one (batch, kv head), 64 per warpgroup (wgmma's M), keeps K and V in
-// shared memory, and walks the query blocks of kBlockM = 64 rows (of every query head of its GQA group)
-// that can see its keys. Per query block (step), each warpgroup:
+// shared memory, and walks the query blocks of kBlockM = 64 rows (128 at head_dim 64; of every query head
+// of its GQA group) that can see its keys. Per query block (step), each warpgroup:
 //   Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (wgmma, all from shared memory: keys x queries, so each warp's 16 key rows
 //     are in the mma.sync accumulator layout, as in the sm80 kernel's phase 1), wait;
 //   Pᵀ = exp2(Sᵀ scale log2(e) - lse log2(e)) and dSᵀ = Pᵀ ∘ (dPᵀ - D) (with softcap's factor, the
@@ -47,29 +47,36 @@ struct BwdTensorMaps {
 //     its rows of dK / dV over the whole head dim;
 //   head_dim 256 (kSplitHeadDim): both work on the CTA's 64 keys; each computes Sᵀ / dPᵀ for half of the
 //     queries, and dK / dV for half of the head dim (so each needs the other's Pᵀ / dSᵀ).
-// Either way each computes dQ for half of the head dim (kDqCols) from both warpgroups' dSᵀ.
-template <int kHeadDim_>
+// Either way each computes half of dQ from both warpgroups' dSᵀ: half of the head dim (kDqCols), or at
+// head_dim 64, whose steps have 128 queries (kDqSplitRows), half of the queries over the whole head dim.
+template <int kHeadDim_, bool kExtras>
 struct BwdSm90Tile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kSplitHeadDim = kHeadDim > 128;
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 128;  // keys per CTA
-  static constexpr int kBlockM = 64;                        // queries per step
+  // Queries per step: 128 at head_dim 64, where 64-query steps gave each GEMM half of hd128's work for the
+  // same element-wise work per warpgroup; not in the softcap / ALiBi / dropout variants, which spill 140 /
+  // 1184 bytes with it (ptxas, sm_90a).
+  static constexpr int kBlockM = kHeadDim == 64 && !kExtras ? 128 : 64;
+  static constexpr bool kDqSplitRows = kBlockM == 128;  // each warpgroup's dQ: 64 queries x the head dim
   static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM / 2 : kBlockM;  // a warpgroup's Sᵀ columns
   static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;    // its dK / dV columns
-  // Query-block buffers: step i's buffer is released in step i + 1, once its dV / dK (the last GEMMs
-  // reading it) completed, and the reload has the rest of step i + 1 and step i + 2 to land (a step takes
-  // ~2.5 us at hd128, a TMA load ~1 us). Shared memory at hd128: K, V 64 KB + 3 x 32 KB + Pᵀ, dSᵀ 2 x 2 x
-  // 16 KB = 224 KB; at hd256 two buffers: 64 + 2 x 64 + 2 x 2 x 8 KB = 224 KB.
-  static constexpr int kStages = kSplitHeadDim ? 2 : 3;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kColumnRegions = kHeadDim / 64;  // 64 16-bit columns = one 128-byte row
-  static constexpr int kDqCols = kHeadDim / 2;          // dQ columns per warpgroup
+  static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / 2;  // dQ columns per warpgroup
   static constexpr int kKvBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // a Q or dO tile
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;  // Pᵀ or dSᵀ: kBlockN key rows of 64 queries (128 bytes)
+  // Pᵀ or dSᵀ: kBlockN key rows of kBlockM queries, in 64-query regions (128-byte rows).
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kStatBytes = kBlockM * 4;          // a block's lse log2(e), or its D
-  // K, V, Q[stage], dO[stage], dSᵀ[2], lse[stage], D[stage], the mbarriers (K and V, Q[stage]) and the
+  // Query-block buffers: step i's buffer is released in step i + 1, once its dV / dK (the last GEMMs
+  // reading it) completed, and the reload has the rest of step i + 1 and step i + 2 to land (a step takes
+  // ~2.5 us at hd128, a TMA load ~1 us). Three where K, V, three Q / dO buffers and two each of Pᵀ / dSᵀ fit
+  // in 224 KB (hd128: 64 + 3 x 32 + 2 x 2 x 16 KB; hd64 with 64-query steps: 144 KB), else two (hd256: 64 +
+  // 2 x 64 + 2 x 2 x 8 KB; hd64 with 128-query steps: 32 + 2 x 32 + 2 x 2 x 32 KB).
+  static constexpr int kStages = 2 * kKvBytes + 3 * 2 * kQBytes + 4 * kDsBytes <= 224 * 1024 ? 3 : 2;
+  // K, V, Q[stage], dO[stage], dSᵀ[2], Pᵀ[2], lse[stage], D[stage], the mbarriers (K and V, Q[stage]) and the
   // release counters; +1024 to align the base (the swizzle is computed from absolute addresses).
   static constexpr int kVOffset = kKvBytes;
   static constexpr int kQOffset = 2 * kKvBytes;
@@ -89,17 +96,17 @@ struct BwdSm90Tile {
 // bits regenerated from the forward's Philox stream (common/dropout_bits.cuh), a variant of its own as in
 // the forward.
 template <typename Element, int kHeadDim, bool kExtras, bool kDropout>
-__global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
+__global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ BwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tile = BwdSm90Tile<kHeadDim>;
+  using Tile = BwdSm90Tile<kHeadDim, kExtras>;
   static_assert(kExtras || !kDropout, "the dropout variant includes softcap and ALiBi");
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
   constexpr int kNTilesS = Tile::kScoreQueries / 8;  // a warpgroup's Sᵀ: 64 keys x kScoreQueries queries
   constexpr int kNTilesGrad = Tile::kGradCols / 8;   // dK, dV: 64 keys x kGradCols
-  constexpr int kNTilesDq = Tile::kDqCols / 8;  // dQ: kBlockM queries x kDqCols
+  constexpr int kNTilesDq = Tile::kDqCols / 8;  // dQ: 64 queries x kDqCols
 
   extern __shared__ unsigned char smem_raw[];
   const uint32_t smem_base = (smem_address(smem_raw) + 1023) & ~1023u;
@@ -236,7 +243,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   const int thread_query = group_first_query + 2 * (lane % 4);
   // stmatrix of dSᵀ: lane l addresses row l % 8 of matrix l / 8 = (keys + 8 (l / 8 % 2), queries + 8 (l / 16)).
   const int ds_store_row = group_first_key + 16 * warp_in_group + lane % 8 + 8 * (lane / 8 % 2);
-  // dQ atomics: this warp adds rows 16 warp_in_group .. + 15 of the block, columns group kDqCols .. of the head.
+  // dQ: this warpgroup computes rows dq_first_row .. + 63 of the block, columns dq_first_col .. + kDqCols - 1.
+  const int dq_first_row = Tile::kDqSplitRows ? 64 * group : 0;
+  const int dq_first_col = Tile::kDqSplitRows ? 0 : Tile::kDqCols * group;
   const DqAccumLayout dq_layout{params.dq_accum_rows, kHeadDim};
   constexpr int kRowGroupStride = DqAccumLayout::row_group_stride(kHeadDim);
   static_assert(kBlockM <= DqAccumLayout::kOverhangRows, "blocks past the last sequence stay in the buffer");
@@ -276,12 +285,18 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
                                band.end(first_query) >= warp_first_key + 16;
     const ScoreMod mod(params, batch, head, len_q, len_k);  // unused without kExtras
     const float first_query_on_diagonal = mod.row_on_diagonal(first_query + thread_query);
-    // Dropout: bit (half, j, e) set = element kept (warp-collective: every lane computes its share).
-    uint32_t keep_bits = ~0u;
-    if constexpr (kDropout) {
-      keep_bits = transposed_keep_bits<1, kNTilesS>(philox_seed_offset(params),
-                                                    static_cast<uint64_t>(batch) * params.heads_q + head,
-                                                    first_query + thread_query, thread_key, params.dropout_threshold);
+    // Dropout: bit (half, j % 8, e) of mask j / 8 set = element kept, one 32-bit mask per 64 queries
+    // (warp-collective: every lane computes its share).
+    constexpr int kKeepTiles = kNTilesS < 8 ? kNTilesS : 8;
+    uint32_t keep_bits[kNTilesS / kKeepTiles];
+#pragma unroll
+    for (int w = 0; w < kNTilesS / kKeepTiles; ++w) {
+      keep_bits[w] = ~0u;
+      if constexpr (kDropout) {
+        keep_bits[w] = transposed_keep_bits<1, kKeepTiles>(
+            philox_seed_offset(params), static_cast<uint64_t>(batch) * params.heads_q + head,
+            first_query + thread_query + 8 * kKeepTiles * w, thread_key, params.dropout_threshold);
+      }
     }
     auto elementwise = [&](auto masked) {
 #pragma unroll
@@ -312,7 +327,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
             const float p = exp2f(fmaf(score, params.scale_log2, -lse[query]));
             float p_for_dv = p, dp = acc_dp[0][j][r];
             if constexpr (kDropout) {
-              const bool kept = keep_bits >> ((half * kNTilesS + j) * 2 + e) & 1;
+              const bool kept = keep_bits[j / kKeepTiles] >> ((half * kKeepTiles + j % kKeepTiles) * 2 + e) & 1;
               p_for_dv = kept ? p * params.dropout_scale : 0.f;
               dp = kept ? dp * params.dropout_scale : 0.f;
             }
@@ -343,8 +358,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
     auto store = [&](uint32_t tile) {
 #pragma unroll
       for (int jj = 0; jj < kNTilesS / 2; ++jj) {
-        const int chunk = group_first_query / 8 + 2 * jj + lane / 16;  // 16-byte chunk of the 128-byte row
-        stmatrix_x4(tile + ds_store_row * 128 + ((chunk ^ (ds_store_row % 8)) * 16),
+        const int chunk = group_first_query / 8 + 2 * jj + lane / 16;  // 16-byte chunk of the query row
+        stmatrix_x4(tile + (chunk / 8) * kBlockN * 128 + ds_store_row * 128 + (((chunk % 8) ^ (ds_store_row % 8)) * 16),
                     {frag[0][jj][0], frag[0][jj][1], frag[0][jj][2], frag[0][jj][3]});
       }
     };
@@ -361,7 +376,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   auto issue_grads = [&](int i) {
     const int stage = i % kStages;
     auto own_rows = [&](uint32_t tile, int t) {
-      return swizzle128_descriptor(tile + group_first_key * 128 + t * 32, 16);
+      return swizzle128_descriptor(tile + (t / 4) * kBlockN * 128 + group_first_key * 128 + (t % 4) * 32, 16);
     };
     wgmma_fence();
 #pragma unroll
@@ -375,13 +390,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
     wgmma_commit();
   };
 
-  // dQ of step i (kBlockM queries x this warpgroup's kDqCols columns) = dS K over the block's 128 keys, once
-  // the other warpgroup's half of dSᵀ is stored: issued and committed, not waited for.
+  // dQ of step i (this warpgroup's 64 queries x kDqCols columns) = dS K over the block's keys, once the other
+  // warpgroup's half of dSᵀ is stored: issued and committed, not waited for.
   auto issue_dq = [&](int i, float (&acc_dq)[kNTilesDq][4]) {
     named_barrier_sync(1 + 2 * (i % 2) + (1 - group), Tile::kThreads);
-    const uint32_t ds_tile = smem_ds(i % 2);
+    // A: dSᵀ's 64-query region of this warpgroup's queries (kDqSplitRows), or its only region.
+    const uint32_t ds_tile = smem_ds(i % 2) + dq_first_row / 64 * kBlockN * 128;
     // This warpgroup's columns of K: region group kDqCols / 64, 2 group kDqCols % 64 bytes into its rows.
-    const int first_col = group * Tile::kDqCols;
+    const int first_col = dq_first_col;
     const uint32_t k_cols = smem_k + (first_col / 64) * kBlockN * 128 + (first_col % 64) * 2;
     wgmma_fence();
 #pragma unroll
@@ -395,9 +411,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim>::kThreads, 1)
   // Step i's completed dQ added to the fp32 accumulator. Rows past the sequence's end (dS = 0) are added
   // too: DqAccumLayout says where they land.
   auto add_dq = [&](int i, const float (&acc_dq)[kNTilesDq][4]) {
-    const int64_t accum_row = sequence_accum_row + step_first_query(i) + 16 * warp_in_group;
-    float* dq_accum_lane =
-        params.dq_accum + dq_layout.tile_offset(accum_row, step_head(i), group * Tile::kDqCols) + 4 * lane;
+    const int64_t accum_row = sequence_accum_row + step_first_query(i) + dq_first_row + 16 * warp_in_group;
+    float* dq_accum_lane = params.dq_accum + dq_layout.tile_offset(accum_row, step_head(i), dq_first_col) + 4 * lane;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
 #pragma unroll

@@ -10,15 +10,11 @@
 
 namespace flash_ext::sm90 {
 
-template <Elem16 kElem, int kHeadDim>
-bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
-  using Tile = BwdSm90Tile<kHeadDim>;
-  using Element = ElementOf<kElem>;
-  if (sm90_disabled() || params.dq_accum == nullptr || params.row_stats == nullptr || !device_is_sm90()) return false;
-  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
-  const auto kernel = params.has_dropout() ? attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, true>
-                      : score_mods         ? attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, false>
-                                           : attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, false, false>;
+// Launches `kernel` (an instantiation of attention_bwd_dkdv_sm90_kernel with tile Tile) where TMA can
+// describe the tensors; false otherwise.
+template <typename Element, typename Tile, typename Kernel>
+bool launch_dkdv(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
+  constexpr int kHeadDim = Tile::kHeadDim;
   if (!has_sm90_code(kernel)) return false;
 
   // The tensors as TMA sees them (as in the forward): a variable-length batch is one packed batch entry.
@@ -55,6 +51,23 @@ bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(params, maps);
   throw_on_cuda_error(cudaGetLastError(), "launching the sm90 dK/dV kernel");
   return true;
+}
+
+template <Elem16 kElem, int kHeadDim>
+bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
+  using Element = ElementOf<kElem>;
+  if (sm90_disabled() || params.dq_accum == nullptr || params.row_stats == nullptr || !device_is_sm90()) return false;
+  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
+  if (params.has_dropout()) {
+    return launch_dkdv<Element, BwdSm90Tile<kHeadDim, true>>(attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, true>,
+                                                             params, stream);
+  }
+  if (score_mods) {
+    return launch_dkdv<Element, BwdSm90Tile<kHeadDim, true>>(
+        attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, false>, params, stream);
+  }
+  return launch_dkdv<Element, BwdSm90Tile<kHeadDim, false>>(
+      attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, false, false>, params, stream);
 }
 
 }  // namespace flash_ext::sm90
