@@ -77,7 +77,7 @@ struct BwdSm90Tile {
   // 2 x 64 + 2 x 2 x 8 KB; hd64 with 128-query steps: 32 + 2 x 32 + 2 x 2 x 32 KB).
   static constexpr int kStages = 2 * kKvBytes + 3 * 2 * kQBytes + 4 * kDsBytes <= 224 * 1024 ? 3 : 2;
   // K, V, Q[stage], dO[stage], dSᵀ[2], Pᵀ[2], lse[stage], D[stage], the mbarriers (K and V, Q[stage]) and the
-  // release counters; +1024 to align the base (the swizzle is computed from absolute addresses).
+  // release counters, from the 1024-byte aligned base (the swizzle is computed from absolute addresses).
   static constexpr int kVOffset = kKvBytes;
   static constexpr int kQOffset = 2 * kKvBytes;
   static constexpr int kDoutOffset = kQOffset + kStages * kQBytes;
@@ -87,7 +87,8 @@ struct BwdSm90Tile {
   static constexpr int kDOffset = kLseOffset + kStages * kStatBytes;
   static constexpr int kBarrierOffset = kDOffset + kStages * kStatBytes;
   static constexpr int kCounterOffset = kBarrierOffset + 8 * (1 + kStages);
-  static constexpr int kSmemBytes = kCounterOffset + 4 * kStages + 1024;
+  static constexpr int kSmemBytes = kCounterOffset + 4 * kStages;
+  static_assert(kSmemBytes <= 227 * 1024, "the sm90 dK/dV kernel's shared memory exceeds a CTA's 227 KB");
   // dQ's B operand (K, MN-major) is kDqCols columns inside one 64-column region, or whole regions.
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "the sm90 backward's head dims");
 };
@@ -108,9 +109,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr int kNTilesGrad = Tile::kGradCols / 8;   // dK, dV: 64 keys x kGradCols
   constexpr int kNTilesDq = Tile::kDqCols / 8;  // dQ: 64 queries x kDqCols
 
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t smem_base = (smem_address(smem_raw) + 1023) & ~1023u;
-  unsigned char* smem = smem_raw + (smem_base - smem_address(smem_raw));
+  // Declared 1024-byte aligned, the period of the 128-byte swizzle (computed from absolute addresses), so
+  // that no slack is needed to align it (at hd64 with 128-query steps the tiles take all but 32 bytes of
+  // the 227 KB a CTA may have); checked, since a misaligned base would make the tiles overrun it.
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t smem_base = smem_address(smem);
+  if (smem_base % 1024 != 0) __trap();
   const uint32_t smem_k = smem_base;
   const uint32_t smem_v = smem_base + Tile::kVOffset;
   auto smem_q = [&](int stage) { return smem_base + Tile::kQOffset + stage * Tile::kQBytes; };
