@@ -362,8 +362,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     auto store = [&](uint32_t tile) {
 #pragma unroll
       for (int jj = 0; jj < kNTilesS / 2; ++jj) {
-        const int chunk = group_first_query / 8 + 2 * jj + lane / 16;  // 16-byte chunk of the query row
-        stmatrix_x4(tile + (chunk / 8) * kBlockN * 128 + ds_store_row * 128 + (((chunk % 8) ^ (ds_store_row % 8)) * 16),
+        // 16-byte chunk of the query row: with 128-query steps, 8 chunks per 64-query region, jj / 4 the region.
+        const int chunk = group_first_query / 8 + 2 * (jj % 4) + lane / 16;
+        stmatrix_x4(tile + (jj / 4) * kBlockN * 128 + ds_store_row * 128 + ((chunk ^ (ds_store_row % 8)) * 16),
                     {frag[0][jj][0], frag[0][jj][1], frag[0][jj][2], frag[0][jj][3]});
       }
     };
