@@ -57,11 +57,11 @@ __device__ __forceinline__ void apply_softcap(float (&acc_s)[kMTiles][kNTilesS][
   }
 }
 
-// ALiBi per score: bias -slope * |row_on_diagonal - key| (an FADD and an FFMA per score).
+// ALiBi per score: bias -slope * |row_on_diagonal - key| (an FADD and an FFMA per score). lane: threadIdx.x %
+// 32, read by the caller (where each kernel read it as measured: the register allocation depends on it).
 template <int kMTiles, int kNTilesS>
 __device__ __forceinline__ void add_alibi(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
-                                          const ScoreMod& mod) {
-  const int lane = threadIdx.x % 32;
+                                          const ScoreMod& mod, int lane) {
   const float first_key_of_thread = static_cast<float>(first_key + 2 * (lane % 4));
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
@@ -83,8 +83,9 @@ __device__ __forceinline__ void add_alibi(float (&acc_s)[kMTiles][kNTilesS][4], 
 template <int kMTiles, int kNTilesS>
 __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
                                               const ScoreMod& mod) {
+  const int lane = threadIdx.x % 32;
   if (mod.has_softcap()) apply_softcap(acc_s, mod);
-  if (mod.has_alibi()) add_alibi(acc_s, first_row, first_key, mod);
+  if (mod.has_alibi()) add_alibi(acc_s, first_row, first_key, mod, lane);
 }
 
 // The same, with ALiBi split into a column term and a row term where the warp's block of keys lies
@@ -110,7 +111,7 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][
   } else if (first_key >= last_row + mod.diagonal_offset) {
     sigma = -mod.slope_fwd;  // every key at or right of it
   } else {
-    add_alibi(acc_s, first_row, first_key, mod);
+    add_alibi(acc_s, first_row, first_key, mod, static_cast<int>(threadIdx.x % 32));
     return;
   }
   const int lane = threadIdx.x % 32;
