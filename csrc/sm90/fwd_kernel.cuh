@@ -261,6 +261,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
                            float (&o_factor)[2]) {
       const int key_block = num_key_blocks - 1 - i;
       bool rescale;
+      // The mask in both branches: the plain kernel's code as it was measured before the row offsets
+      // (SASS byte-identical; with one mask call after the branch its registers were renumbered).
       if constexpr (kExtras) {
         float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
         if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
