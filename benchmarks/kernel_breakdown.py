@@ -20,8 +20,10 @@ HEADS, HEAD_DIM = 16, 128
 # name -> (batch, seqlen, flash_ext keyword arguments, SDPA is_causal or None where SDPA has no equivalent)
 CASES = {
     "window": (1, 16384, dict(window_size=(1024, 0)), None),
+    "window2": (1, 16384, dict(window_size=(1024, 1024)), None),
     "causal16k": (1, 16384, dict(causal=True), True),
     "plain8k": (2, 8192, dict(), False),
+    "plain2k": (8, 2048, dict(), False),
 }
 
 
