@@ -72,8 +72,8 @@ _FEATURES_DOC = """
         return_lse: also return lse = logsumexp of each row's scores (after softcap and ALiBi),
             float32. lse carries no gradient.
 
-    On CUDA only causal / full attention without softcap, ALiBi and dropout is available so far;
-    the other features raise an error there (they run on the CPU).
+    Every option above runs in the CUDA kernels (compute capability 8.0 and newer, float16 /
+    bfloat16), forward and backward, in any combination; float32 inputs run on the CPU only.
 """
 
 
@@ -128,6 +128,4 @@ attention_varlen.__doc__ = """Attention over a batch of sequences of different l
         number of sequences.""" + _FEATURES_DOC + """
     Returns:
         out (total_q, heads_q, head_dim), or (out, lse) when return_lse, lse (heads_q, total_q).
-
-    attention_varlen itself has no CUDA kernels yet: on CUDA it raises an error.
     """
