@@ -700,7 +700,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
   // Scratch, O(seqlen): D = rowsum(dout * out) per query row (fp32, lse's layout), and unless
   // deterministic the fp32 dQ accumulator that the dK/dV kernel adds into with atomics (per head: q's
   // rows, up to 8 rows of padding per sequence and 128 after the last, times head dim; tiled as
-  // common/dq_accum_layout.h says); the preprocess kernel zeroes the rows that are read back.
+  // common/dq_accum_layout.h says); the backward launcher zeroes it (a memset).
   at::Tensor softmax_d = at::empty(lse_c.sizes(), q.options().dtype(at::kFloat));
   // With it, lse * log2(e) and D again in the accumulator's row numbering (params.h, row_stats: what the
   // sm90 dK/dV kernel reads).

@@ -1,5 +1,5 @@
 // Layout of the fp32 dQ accumulator of the CUDA backward with deterministic = false: scratch that
-// only the preprocess kernel (zeroes it), the dK/dV kernel (adds into it with atomics) and the
+// only the backward launcher (zeroes it with a memset), the dK/dV kernel (adds into it with atomics) and the
 // convert kernel (reads it back into dq) touch, so its layout is chosen for the atomics.
 //
 // Why not q's row-major layout: the dK/dV kernel adds mma accumulator fragments, in which a lane

@@ -5,7 +5,7 @@
 //   dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ∘ (dP − D),  dK = scale · dSᵀ·Q,  dQ = scale · dS·K.
 //
 // Launches:
-//   1. preprocess: D for every query row (and the fp32 dQ accumulator zeroed);
+//   1. the fp32 dQ accumulator zeroed (a memset); preprocess: D for every query row;
 //   2. dK/dV: a CTA per (key block, kv head) keeps K and V in shared memory, walks every query
 //      block (and every query head of its GQA group) that can see them, and accumulates dK and
 //      dV in registers. Per query block it computes the transposed tiles Sᵀ = K·Qᵀ and
@@ -53,51 +53,63 @@ __device__ __forceinline__ int64_t dq_accum_row(const BwdParams& params, int64_t
   return DqAccumLayout::first_row(params.cu_seqlens_q[lo], lo) + row - params.cu_seqlens_q[lo];
 }
 
-// D = sum_d dout * out per query row, in fp32: one warp per (row, head); with params.dq_accum, the
-// warp also zeroes the row's fp32 dQ accumulator (one kernel instead of a separate memset) and copies
-// the row's lse * log2(e) and D into params.row_stats where given (the sm90 dK/dV kernel's layout).
-// Rows are numbered through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length
-// batch is one packed "batch" of total_q rows (its batch strides are 0).
+// Lanes of the preprocess kernel per (row, head): the row's 16-byte chunks, rounded up to a power of 2
+// (a shuffle reduction within the lanes' group of the warp).
+constexpr int preprocess_lanes_per_row(int head_dim) {
+  const int chunks = head_dim / 8;
+  return chunks <= 4 ? 4 : chunks <= 8 ? 8 : chunks <= 16 ? 16 : 32;
+}
+
+// D = sum_d dout * out per query row, in fp32, and with params.row_stats the row's lse * log2(e) and D
+// copied there too (the sm90 dK/dV kernel's layout). kLanesPerRow lanes per (row, head), one 16-byte chunk
+// of dout and of out each, so that every lane has a load in flight (one warp per row, as before, left half
+// of the lanes idle at head_dim 128 and ran at 2.8 TB/s with the accumulator's zeroing). Rows are numbered
+// through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length batch is one packed
+// "batch" of total_q rows (its batch strides are 0).
 template <int kHeadDim, typename Element>
 __global__ void __launch_bounds__(256)
     attention_bwd_preprocess_kernel(const __grid_constant__ BwdParams params, const int64_t rows_per_batch,
                                     const int64_t num_rows) {
-  constexpr int kElementsPerLoad = 16 / sizeof(Element);
-  const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;  // head fastest
-  const int lane = threadIdx.x % 32;
-  if (row_id >= num_rows * params.heads_q) return;
-  const int head = row_id % params.heads_q;
-  const int64_t row = row_id / params.heads_q % rows_per_batch;
-  const int64_t batch = row_id / params.heads_q / rows_per_batch;
-  const Element* dout = static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
-                        row * params.dout_strides.row + head * params.dout_strides.head;
-  const Element* out = static_cast<const Element*>(params.out) + batch * params.out_strides.batch +
-                       row * params.out_strides.row + head * params.out_strides.head;
+  constexpr int kElementsPerChunk = 16 / sizeof(Element);
+  constexpr int kChunks = kHeadDim / kElementsPerChunk;
+  static_assert(kHeadDim % kElementsPerChunk == 0 && kChunks <= 32, "the preprocess kernel's head dims");
+  constexpr int kLanesPerRow = preprocess_lanes_per_row(kHeadDim);
+  const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;  // head fastest
+  const int chunk = threadIdx.x % kLanesPerRow;
+  const bool valid_row = row_id < num_rows * params.heads_q;
+  int head = 0;
+  int64_t row = 0, batch = 0;
   float sum = 0.f;
-  for (int d = lane * kElementsPerLoad; d < kHeadDim; d += 32 * kElementsPerLoad) {
-    const uint4 dout_chunk = *reinterpret_cast<const uint4*>(dout + d);
-    const uint4 out_chunk = *reinterpret_cast<const uint4*>(out + d);
-    const Element* dout_values = reinterpret_cast<const Element*>(&dout_chunk);
-    const Element* out_values = reinterpret_cast<const Element*>(&out_chunk);
+  if (valid_row) {
+    const int64_t token = row_id / params.heads_q;
+    head = static_cast<int>(row_id - token * params.heads_q);
+    batch = token / rows_per_batch;
+    row = token - batch * rows_per_batch;
+    if (chunk < kChunks) {
+      const int col = chunk * kElementsPerChunk;
+      const uint4 dout_chunk = *reinterpret_cast<const uint4*>(static_cast<const Element*>(params.dout) +
+                                                               batch * params.dout_strides.batch +
+                                                               row * params.dout_strides.row +
+                                                               head * params.dout_strides.head + col);
+      const uint4 out_chunk = *reinterpret_cast<const uint4*>(static_cast<const Element*>(params.out) +
+                                                              batch * params.out_strides.batch +
+                                                              row * params.out_strides.row +
+                                                              head * params.out_strides.head + col);
+      const Element* dout_values = reinterpret_cast<const Element*>(&dout_chunk);
+      const Element* out_values = reinterpret_cast<const Element*>(&out_chunk);
 #pragma unroll
-    for (int e = 0; e < kElementsPerLoad; ++e) sum += to_float(dout_values[e]) * to_float(out_values[e]);
+      for (int e = 0; e < kElementsPerChunk; ++e) sum += to_float(dout_values[e]) * to_float(out_values[e]);
+    }
   }
+  // The row's lanes are kLanesPerRow consecutive lanes of one warp.
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) params.softmax_d[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = sum;
-  if (params.dq_accum != nullptr) {
-    const DqAccumLayout layout{params.dq_accum_rows, kHeadDim};
-    const int64_t accum_row = dq_accum_row(params, batch, row);
-    if (params.row_stats != nullptr && lane == 0) {
-      const int64_t at = head * params.dq_accum_rows + accum_row;
-      params.row_stats[at] = params.lse[params.lse_index(batch, head, row)] * kLog2e;
-      params.row_stats[params.heads_q * params.dq_accum_rows + at] = sum;
-    }
-    float* accum = params.dq_accum + DqAccumLayout::row_in_tile(accum_row);
-    for (int chunk = lane; chunk < kHeadDim / 4; chunk += 32) {  // 4 floats each, 4 chunks per tile row
-      *reinterpret_cast<float4*>(accum + layout.tile_offset(accum_row, head, 4 * chunk) + 4 * (chunk % 4)) =
-          make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+  for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (!valid_row || chunk != 0) return;
+  params.softmax_d[batch * params.lse_batch_stride + head * params.lse_head_stride + row] = sum;
+  if (params.row_stats != nullptr) {
+    const int64_t at = head * params.dq_accum_rows + dq_accum_row(params, batch, row);
+    params.row_stats[at] = params.lse[params.lse_index(batch, head, row)] * kLog2e;
+    params.row_stats[params.heads_q * params.dq_accum_rows + at] = sum;
   }
 }
 

@@ -85,10 +85,16 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   const int64_t rows_per_batch = params.is_varlen() ? params.lse_head_stride : params.seqlen_q;
   const int64_t num_rows = params.is_varlen() ? params.lse_head_stride : int64_t{params.batch} * params.seqlen_q;
 
-  // 1. D = rowsum(dO ∘ O): one warp per (query row, head), 8 per block.
-  const int64_t num_warps = num_rows * params.heads_q;
+  // 1. The fp32 dQ accumulator zeroed, all of it (padding rows too): a memset runs at the copy bandwidth.
+  //    D = rowsum(dO ∘ O) (and row_stats): preprocess_lanes_per_row threads per (query row, head).
+  if (params.dq_accum != nullptr) {
+    throw_on_cuda_error(cudaMemsetAsync(params.dq_accum, 0,
+                                        sizeof(float) * params.heads_q * params.dq_accum_rows * kHeadDim, stream),
+                        "zeroing the dQ accumulator");
+  }
+  const int64_t num_threads = num_rows * params.heads_q * preprocess_lanes_per_row(kHeadDim);
   attention_bwd_preprocess_kernel<kHeadDim, Element>
-      <<<static_cast<unsigned>((num_warps + 7) / 8), 256, 0, stream>>>(params, rows_per_batch, num_rows);
+      <<<static_cast<unsigned>((num_threads + 255) / 256), 256, 0, stream>>>(params, rows_per_batch, num_rows);
   throw_on_cuda_error(cudaGetLastError(), "launching the backward preprocess kernel");
 
   // 2. dK and dV, and with params.dq_accum the atomic dQ sums.
