@@ -11,7 +11,7 @@ If bench exceeds graph by more than the L2 flush's effect, the host's work shows
 do_bench call starts its clock after the flush; a call whose host work outlasts the flush's kernel
 leaves the GPU idle inside the timed interval).
 
-    python benchmarks/call_overhead.py
+    python benchmarks/call_overhead.py [--host-profile]
 """
 import time
 
@@ -63,6 +63,10 @@ def host_us_per_call(fn, calls=2000):
 
 
 def main():
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host-profile", action="store_true", help="also list host time by op / CUDA runtime call")
+    args = parser.parse_args()
     for name, (batch, seqlen, kwargs) in CASES.items():
         q, k, v = (torch.randn(batch, seqlen, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, requires_grad=True)
                    for _ in range(3))
@@ -85,6 +89,19 @@ def main():
     dout = torch.randn_like(out)
     bwd_host = host_us_per_call(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
     print(f"host per call (1 x 128 x {HEADS} x {HEAD_DIM}): fwd {fwd_host:.1f} us, bwd (autograd.grad) {bwd_host:.1f} us")
+    if args.host_profile:
+        # Where the host time goes: torch.profiler's CPU ops and CUDA runtime calls, 50 calls each.
+        from torch.profiler import ProfilerActivity, profile
+        for name, fn in (("fwd", lambda: flash_ext.attention(q.detach(), k.detach(), v.detach())),
+                         ("bwd", lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(50):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"\n{name}: host time by op / runtime call (self CPU us per call)")
+            events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:22]
+            for e in events:
+                print(f"  {e.self_cpu_time_total / 50:8.1f} us  x{e.count / 50:4.1f}  {e.key[:90]}")
 
 
 if __name__ == "__main__":
