@@ -77,8 +77,8 @@ def main():
         out, lse = flash_ext.attention(q, k, v, return_lse=True, **kwargs)
         dout = torch.randn_like(out)
         bwd_bench = bench(lambda: out.backward(dout, retain_graph=True), grads=[q, k, v])
-        args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, *bwd_op(kwargs), None)
-        bwd_graph = graph_of(lambda: torch.ops.flash_ext.bwd(*args))
+        bwd_args = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, *bwd_op(kwargs), None)
+        bwd_graph = graph_of(lambda: torch.ops.flash_ext.bwd(*bwd_args))
         bwd_replay = bench(bwd_graph.replay)
         print(f"{name:26s} fwd bench {fwd_bench * 1e3:8.1f} us graph {fwd_replay * 1e3:8.1f} us | "
               f"bwd bench {bwd_bench * 1e3:8.1f} us graph {bwd_replay * 1e3:8.1f} us")
