@@ -22,14 +22,16 @@ parser.add_argument("--backward", action="store_true", help="also run the backwa
 parser.add_argument("--impl", choices=["flash_ext", "sdpa_flash"], default="flash_ext",
                     help="sdpa_flash: PyTorch SDPA's FlashAttention-2 backend, to profile beside ours")
 parser.add_argument("--softcap", type=float, default=0.0, help="flash_ext only: > 0 runs the softcap kernels")
+parser.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"),
+                    help="flash_ext only: window_size, e.g. --window 1024 0")
 args = parser.parse_args()
-if args.softcap > 0 and args.impl != "flash_ext":
-    parser.error("--softcap needs --impl flash_ext (SDPA has no softcap)")
+if (args.softcap > 0 or tuple(args.window) != (-1, -1)) and args.impl != "flash_ext":
+    parser.error("--softcap and --window need --impl flash_ext (SDPA has neither)")
 
 
 def attention(q, k, v):
     if args.impl == "flash_ext":
-        return flash_ext.attention(q, k, v, causal=args.causal, softcap=args.softcap)
+        return flash_ext.attention(q, k, v, causal=args.causal, softcap=args.softcap, window_size=tuple(args.window))
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                               is_causal=args.causal).transpose(1, 2)
