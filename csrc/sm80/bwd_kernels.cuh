@@ -53,16 +53,18 @@ __device__ __forceinline__ int64_t dq_accum_row(const BwdParams& params, int64_t
   return DqAccumLayout::first_row(params.cu_seqlens_q[lo], lo) + row - params.cu_seqlens_q[lo];
 }
 
-// Lanes of the preprocess kernel per (row, head): the row's 16-byte chunks of 16-bit elements, rounded up
-// to a power of 2 (a shuffle reduction within the lanes' group of the warp).
+// The preprocess kernel's lanes per (row, head): the row's 16-byte chunks of 16-bit elements, two per lane
+// (more loads in flight per thread, and each warp's index arithmetic shared by more rows), rounded up to a
+// power of 2 (a shuffle reduction within the lanes' group of the warp).
+constexpr int kPreprocessChunksPerLane = 2;
 constexpr int preprocess_lanes_per_row(int head_dim) {
-  const int chunks = head_dim / 8;
-  return chunks <= 4 ? 4 : chunks <= 8 ? 8 : chunks <= 16 ? 16 : 32;
+  const int lanes = (head_dim / 8 + kPreprocessChunksPerLane - 1) / kPreprocessChunksPerLane;
+  return lanes <= 1 ? 1 : lanes <= 2 ? 2 : lanes <= 4 ? 4 : lanes <= 8 ? 8 : 16;
 }
 
 // D = sum_d dout * out per query row, in fp32, and with params.row_stats the row's lse * log2(e) and D
-// copied there too (the sm90 dK/dV kernel's layout). kLanesPerRow lanes per (row, head), one 16-byte chunk
-// of dout and of out each, so that every lane has a load in flight (with one warp per row, half of the
+// copied there too (the sm90 dK/dV kernel's layout). kLanesPerRow lanes per (row, head), two 16-byte chunks
+// of dout and of out each, so that every lane has loads in flight (with one warp per row, half of the
 // lanes idled at head_dim 128: 95.7 us with the accumulator's zeroing, now 48.8 us plus a 30.2 us memset,
 // H200, 16k tokens x 16 heads). Rows are numbered
 // through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length batch is one packed
@@ -75,7 +77,7 @@ __global__ void __launch_bounds__(256)
   constexpr int kChunks = kHeadDim / kElementsPerChunk;
   static_assert(kHeadDim % kElementsPerChunk == 0 && kChunks <= 32, "the preprocess kernel's head dims");
   constexpr int kLanesPerRow = preprocess_lanes_per_row(kHeadDim);
-  static_assert(kChunks <= kLanesPerRow, "a lane per 16-byte chunk (preprocess_lanes_per_row)");
+  static_assert(kChunks <= kLanesPerRow * kPreprocessChunksPerLane, "preprocess_lanes_per_row covers the row");
   const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;  // head fastest
   const int chunk = threadIdx.x % kLanesPerRow;
   const bool valid_row = row_id < num_rows * params.heads_q;
@@ -87,18 +89,25 @@ __global__ void __launch_bounds__(256)
     head = static_cast<int>(row_id - token * params.heads_q);
     batch = token / rows_per_batch;
     row = token - batch * rows_per_batch;
-    if (chunk < kChunks) {
-      const int col = chunk * kElementsPerChunk;
-      const uint4 dout_chunk = *reinterpret_cast<const uint4*>(static_cast<const Element*>(params.dout) +
-                                                               batch * params.dout_strides.batch +
-                                                               row * params.dout_strides.row +
-                                                               head * params.dout_strides.head + col);
-      const uint4 out_chunk = *reinterpret_cast<const uint4*>(static_cast<const Element*>(params.out) +
-                                                              batch * params.out_strides.batch +
-                                                              row * params.out_strides.row +
-                                                              head * params.out_strides.head + col);
-      const Element* dout_values = reinterpret_cast<const Element*>(&dout_chunk);
-      const Element* out_values = reinterpret_cast<const Element*>(&out_chunk);
+    const Element* dout = static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
+                          row * params.dout_strides.row + head * params.dout_strides.head;
+    const Element* out = static_cast<const Element*>(params.out) + batch * params.out_strides.batch +
+                         row * params.out_strides.row + head * params.out_strides.head;
+    uint4 dout_chunks[kPreprocessChunksPerLane], out_chunks[kPreprocessChunksPerLane];
+#pragma unroll
+    for (int c = 0; c < kPreprocessChunksPerLane; ++c) {  // chunks chunk, chunk + kLanesPerRow
+      const int col = (chunk + c * kLanesPerRow) * kElementsPerChunk;
+      if (col < kHeadDim) {
+        dout_chunks[c] = *reinterpret_cast<const uint4*>(dout + col);
+        out_chunks[c] = *reinterpret_cast<const uint4*>(out + col);
+      } else {
+        dout_chunks[c] = out_chunks[c] = make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kPreprocessChunksPerLane; ++c) {
+      const Element* dout_values = reinterpret_cast<const Element*>(&dout_chunks[c]);
+      const Element* out_values = reinterpret_cast<const Element*>(&out_chunks[c]);
 #pragma unroll
       for (int e = 0; e < kElementsPerChunk; ++e) sum += to_float(dout_values[e]) * to_float(out_values[e]);
     }
@@ -540,35 +549,49 @@ __global__ void __launch_bounds__(Tile::kThreads)
   }
 }
 
-// dq = softmax_scale · dq_accum, rounded to the input dtype: 16 columns (one row of a DqAccumLayout
-// tile) per thread. Rows are numbered as in the preprocess kernel.
+// dq = softmax_scale · dq_accum, rounded to the input dtype: 32 columns (the rows of two neighbouring
+// DqAccumLayout tiles) per thread, their eight 16-byte loads issued before any is used. Rows are numbered
+// as in the preprocess kernel.
+constexpr int kConvertColsPerThread = 2 * DqAccumLayout::kTileCols;
 template <int kHeadDim, typename Element>
 __global__ void __launch_bounds__(256)
     attention_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params, const int64_t rows_per_batch,
                                     const int64_t num_rows) {
-  constexpr int kChunksPerRow = kHeadDim / DqAccumLayout::kTileCols;
-  const int64_t chunk_id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t row_id = chunk_id / kChunksPerRow;  // (batch, row, head), head fastest
+  static_assert(kHeadDim % kConvertColsPerThread == 0, "the convert kernel's head dims");
+  constexpr int kThreadsPerRow = kHeadDim / kConvertColsPerThread;
+  const int64_t thread_id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row_id = thread_id / kThreadsPerRow;  // (batch, row, head), head fastest
   if (row_id >= num_rows * params.heads_q) return;
-  const int col = chunk_id % kChunksPerRow * DqAccumLayout::kTileCols;
-  const int head = row_id % params.heads_q;
-  const int64_t row = row_id / params.heads_q % rows_per_batch;
-  const int64_t batch = row_id / params.heads_q / rows_per_batch;
+  const int first_col = thread_id % kThreadsPerRow * kConvertColsPerThread;
+  const int64_t token = row_id / params.heads_q;
+  const int head = static_cast<int>(row_id - token * params.heads_q);
+  const int64_t batch = token / rows_per_batch;
+  const int64_t row = token - batch * rows_per_batch;
   const DqAccumLayout layout{params.dq_accum_rows, kHeadDim};
   const int64_t accum_row = dq_accum_row(params, batch, row);
-  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + layout.tile_offset(accum_row, head, col) +
+  // The two tiles are adjacent (column groups are the layout's fastest index).
+  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + layout.tile_offset(accum_row, head, first_col) +
                                                       DqAccumLayout::row_in_tile(accum_row));
-  // Float4 q holds columns 2q, 2q + 1 (x, y) and 8 + 2q, 8 + 2q + 1 (z, w).
-  const float4 f0 = src[0], f1 = src[1], f2 = src[2], f3 = src[3];
+  float4 f[2][4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) f[t][q] = src[t * DqAccumLayout::kTileFloats / 4 + q];
+  }
   const float s = params.softmax_scale;
-  const uint4 first8 = {pack_float2<Element>(f0.x * s, f0.y * s), pack_float2<Element>(f1.x * s, f1.y * s),
-                        pack_float2<Element>(f2.x * s, f2.y * s), pack_float2<Element>(f3.x * s, f3.y * s)};
-  const uint4 last8 = {pack_float2<Element>(f0.z * s, f0.w * s), pack_float2<Element>(f1.z * s, f1.w * s),
-                       pack_float2<Element>(f2.z * s, f2.w * s), pack_float2<Element>(f3.z * s, f3.w * s)};
   Element* dq = static_cast<Element*>(params.dq) + batch * params.dq_strides.batch + row * params.dq_strides.row +
-                head * params.dq_strides.head + col;
-  reinterpret_cast<uint4*>(dq)[0] = first8;
-  reinterpret_cast<uint4*>(dq)[1] = last8;
+                head * params.dq_strides.head + first_col;
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    // Float4 q holds columns 2q, 2q + 1 (x, y) and 8 + 2q, 8 + 2q + 1 (z, w) of its tile.
+    const float4 *f0 = &f[t][0], *f1 = &f[t][1], *f2 = &f[t][2], *f3 = &f[t][3];
+    const uint4 first8 = {pack_float2<Element>(f0->x * s, f0->y * s), pack_float2<Element>(f1->x * s, f1->y * s),
+                          pack_float2<Element>(f2->x * s, f2->y * s), pack_float2<Element>(f3->x * s, f3->y * s)};
+    const uint4 last8 = {pack_float2<Element>(f0->z * s, f0->w * s), pack_float2<Element>(f1->z * s, f1->w * s),
+                         pack_float2<Element>(f2->z * s, f2->w * s), pack_float2<Element>(f3->z * s, f3->w * s)};
+    reinterpret_cast<uint4*>(dq + t * DqAccumLayout::kTileCols)[0] = first8;
+    reinterpret_cast<uint4*>(dq + t * DqAccumLayout::kTileCols)[1] = last8;
+  }
 }
 
 // dk and dv of the split tail walks (TailSplit) from the pieces' sums in params.dkv_accum: 8 columns of
