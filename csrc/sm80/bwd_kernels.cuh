@@ -64,9 +64,9 @@ constexpr int preprocess_lanes_per_row(int head_dim) {
 
 // D = sum_d dout * out per query row, in fp32, and with params.row_stats the row's lse * log2(e) and D
 // copied there too (the sm90 dK/dV kernel's layout). kLanesPerRow lanes per (row, head), two 16-byte chunks
-// of dout and of out each, so that every lane has loads in flight (with one warp per row, half of the
-// lanes idled at head_dim 128: 95.7 us with the accumulator's zeroing, now 48.8 us plus a 30.2 us memset,
-// H200, 16k tokens x 16 heads). Rows are numbered
+// of dout and of out each, so that every lane has loads in flight (H200, 16k tokens x 16 heads, hd128: one
+// warp per row, half of its lanes idle, took 95.7 us with the accumulator's zeroing; one chunk per lane 48.8
+// us, two 42.1 us, the zeroing now a 30.2 us memset). Rows are numbered
 // through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length batch is one packed
 // "batch" of total_q rows (its batch strides are 0).
 template <int kHeadDim, typename Element>
@@ -549,49 +549,35 @@ __global__ void __launch_bounds__(Tile::kThreads)
   }
 }
 
-// dq = softmax_scale · dq_accum, rounded to the input dtype: 32 columns (the rows of two neighbouring
-// DqAccumLayout tiles) per thread, their eight 16-byte loads issued before any is used. Rows are numbered
-// as in the preprocess kernel.
-constexpr int kConvertColsPerThread = 2 * DqAccumLayout::kTileCols;
+// dq = softmax_scale · dq_accum, rounded to the input dtype: 16 columns (one row of a DqAccumLayout
+// tile) per thread. Rows are numbered as in the preprocess kernel.
 template <int kHeadDim, typename Element>
 __global__ void __launch_bounds__(256)
     attention_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params, const int64_t rows_per_batch,
                                     const int64_t num_rows) {
-  static_assert(kHeadDim % kConvertColsPerThread == 0, "the convert kernel's head dims");
-  constexpr int kThreadsPerRow = kHeadDim / kConvertColsPerThread;
-  const int64_t thread_id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t row_id = thread_id / kThreadsPerRow;  // (batch, row, head), head fastest
+  constexpr int kChunksPerRow = kHeadDim / DqAccumLayout::kTileCols;
+  const int64_t chunk_id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row_id = chunk_id / kChunksPerRow;  // (batch, row, head), head fastest
   if (row_id >= num_rows * params.heads_q) return;
-  const int first_col = thread_id % kThreadsPerRow * kConvertColsPerThread;
-  const int64_t token = row_id / params.heads_q;
-  const int head = static_cast<int>(row_id - token * params.heads_q);
-  const int64_t batch = token / rows_per_batch;
-  const int64_t row = token - batch * rows_per_batch;
+  const int col = chunk_id % kChunksPerRow * DqAccumLayout::kTileCols;
+  const int head = row_id % params.heads_q;
+  const int64_t row = row_id / params.heads_q % rows_per_batch;
+  const int64_t batch = row_id / params.heads_q / rows_per_batch;
   const DqAccumLayout layout{params.dq_accum_rows, kHeadDim};
   const int64_t accum_row = dq_accum_row(params, batch, row);
-  // The two tiles are adjacent (column groups are the layout's fastest index).
-  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + layout.tile_offset(accum_row, head, first_col) +
+  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + layout.tile_offset(accum_row, head, col) +
                                                       DqAccumLayout::row_in_tile(accum_row));
-  float4 f[2][4];
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) f[t][q] = src[t * DqAccumLayout::kTileFloats / 4 + q];
-  }
+  // Float4 q holds columns 2q, 2q + 1 (x, y) and 8 + 2q, 8 + 2q + 1 (z, w).
+  const float4 f0 = src[0], f1 = src[1], f2 = src[2], f3 = src[3];
   const float s = params.softmax_scale;
+  const uint4 first8 = {pack_float2<Element>(f0.x * s, f0.y * s), pack_float2<Element>(f1.x * s, f1.y * s),
+                        pack_float2<Element>(f2.x * s, f2.y * s), pack_float2<Element>(f3.x * s, f3.y * s)};
+  const uint4 last8 = {pack_float2<Element>(f0.z * s, f0.w * s), pack_float2<Element>(f1.z * s, f1.w * s),
+                       pack_float2<Element>(f2.z * s, f2.w * s), pack_float2<Element>(f3.z * s, f3.w * s)};
   Element* dq = static_cast<Element*>(params.dq) + batch * params.dq_strides.batch + row * params.dq_strides.row +
-                head * params.dq_strides.head + first_col;
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    // Float4 q holds columns 2q, 2q + 1 (x, y) and 8 + 2q, 8 + 2q + 1 (z, w) of its tile.
-    const float4 *f0 = &f[t][0], *f1 = &f[t][1], *f2 = &f[t][2], *f3 = &f[t][3];
-    const uint4 first8 = {pack_float2<Element>(f0->x * s, f0->y * s), pack_float2<Element>(f1->x * s, f1->y * s),
-                          pack_float2<Element>(f2->x * s, f2->y * s), pack_float2<Element>(f3->x * s, f3->y * s)};
-    const uint4 last8 = {pack_float2<Element>(f0->z * s, f0->w * s), pack_float2<Element>(f1->z * s, f1->w * s),
-                         pack_float2<Element>(f2->z * s, f2->w * s), pack_float2<Element>(f3->z * s, f3->w * s)};
-    reinterpret_cast<uint4*>(dq + t * DqAccumLayout::kTileCols)[0] = first8;
-    reinterpret_cast<uint4*>(dq + t * DqAccumLayout::kTileCols)[1] = last8;
-  }
+                head * params.dq_strides.head + col;
+  reinterpret_cast<uint4*>(dq)[0] = first8;
+  reinterpret_cast<uint4*>(dq)[1] = last8;
 }
 
 // dk and dv of the split tail walks (TailSplit) from the pieces' sums in params.dkv_accum: 8 columns of

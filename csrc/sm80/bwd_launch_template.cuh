@@ -146,9 +146,9 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
 
   // 3. dQ: rounded from the atomic sums, or computed by the deterministic dQ kernel.
   if (params.dq_accum != nullptr) {
-    const int64_t num_threads = num_rows * params.heads_q * (kHeadDim / kConvertColsPerThread);
+    const int64_t num_chunks = num_rows * params.heads_q * (kHeadDim / DqAccumLayout::kTileCols);
     attention_bwd_convert_dq_kernel<kHeadDim, Element>
-        <<<static_cast<unsigned>((num_threads + 255) / 256), 256, 0, stream>>>(params, rows_per_batch, num_rows);
+        <<<static_cast<unsigned>((num_chunks + 255) / 256), 256, 0, stream>>>(params, rows_per_batch, num_rows);
     throw_on_cuda_error(cudaGetLastError(), "launching the dQ conversion kernel");
   } else {
     const auto dq_kernel =
