@@ -53,18 +53,20 @@ __device__ __forceinline__ int64_t dq_accum_row(const BwdParams& params, int64_t
   return DqAccumLayout::first_row(params.cu_seqlens_q[lo], lo) + row - params.cu_seqlens_q[lo];
 }
 
-// Lanes of the preprocess kernel per (row, head): the row's 16-byte chunks of 16-bit elements, rounded up
-// to a power of 2 (a shuffle reduction within the lanes' group of the warp).
+// The preprocess kernel's lanes per (row, head): the row's 16-byte chunks of 16-bit elements, two per lane
+// (more loads in flight per thread, and each warp's index arithmetic shared by more rows), rounded up to a
+// power of 2 (a shuffle reduction within the lanes' group of the warp).
+constexpr int kPreprocessChunksPerLane = 2;
 constexpr int preprocess_lanes_per_row(int head_dim) {
-  const int chunks = head_dim / 8;
-  return chunks <= 4 ? 4 : chunks <= 8 ? 8 : chunks <= 16 ? 16 : 32;
+  const int lanes = (head_dim / 8 + kPreprocessChunksPerLane - 1) / kPreprocessChunksPerLane;
+  return lanes <= 1 ? 1 : lanes <= 2 ? 2 : lanes <= 4 ? 4 : lanes <= 8 ? 8 : 16;
 }
 
 // D = sum_d dout * out per query row, in fp32, and with params.row_stats the row's lse * log2(e) and D
-// copied there too (the sm90 dK/dV kernel's layout). kLanesPerRow lanes per (row, head), one 16-byte chunk
-// of dout and of out each, so that every lane has a load in flight (with one warp per row, half of the
-// lanes idled at head_dim 128: 95.7 us with the accumulator's zeroing, now 48.8 us plus a 30.2 us memset,
-// H200, 16k tokens x 16 heads). Rows are numbered
+// copied there too (the sm90 dK/dV kernel's layout). kLanesPerRow lanes per (row, head), two 16-byte chunks
+// of dout and of out each, so that every lane has loads in flight (H200, 16k tokens x 16 heads, hd128: one
+// warp per row, half of its lanes idle, took 95.7 us with the accumulator's zeroing; one chunk per lane 48.8
+// us, two 42.1 us, the zeroing now a 30.2 us memset). Rows are numbered
 // through the batch: rows_per_batch is seqlen_q for a dense batch; a variable-length batch is one packed
 // "batch" of total_q rows (its batch strides are 0).
 template <int kHeadDim, typename Element>
@@ -75,7 +77,7 @@ __global__ void __launch_bounds__(256)
   constexpr int kChunks = kHeadDim / kElementsPerChunk;
   static_assert(kHeadDim % kElementsPerChunk == 0 && kChunks <= 32, "the preprocess kernel's head dims");
   constexpr int kLanesPerRow = preprocess_lanes_per_row(kHeadDim);
-  static_assert(kChunks <= kLanesPerRow, "a lane per 16-byte chunk (preprocess_lanes_per_row)");
+  static_assert(kChunks <= kLanesPerRow * kPreprocessChunksPerLane, "preprocess_lanes_per_row covers the row");
   const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;  // head fastest
   const int chunk = threadIdx.x % kLanesPerRow;
   const bool valid_row = row_id < num_rows * params.heads_q;
@@ -87,18 +89,25 @@ __global__ void __launch_bounds__(256)
     head = static_cast<int>(row_id - token * params.heads_q);
     batch = token / rows_per_batch;
     row = token - batch * rows_per_batch;
-    if (chunk < kChunks) {
-      const int col = chunk * kElementsPerChunk;
-      const uint4 dout_chunk = *reinterpret_cast<const uint4*>(static_cast<const Element*>(params.dout) +
-                                                               batch * params.dout_strides.batch +
-                                                               row * params.dout_strides.row +
-                                                               head * params.dout_strides.head + col);
-      const uint4 out_chunk = *reinterpret_cast<const uint4*>(static_cast<const Element*>(params.out) +
-                                                              batch * params.out_strides.batch +
-                                                              row * params.out_strides.row +
-                                                              head * params.out_strides.head + col);
-      const Element* dout_values = reinterpret_cast<const Element*>(&dout_chunk);
-      const Element* out_values = reinterpret_cast<const Element*>(&out_chunk);
+    const Element* dout = static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
+                          row * params.dout_strides.row + head * params.dout_strides.head;
+    const Element* out = static_cast<const Element*>(params.out) + batch * params.out_strides.batch +
+                         row * params.out_strides.row + head * params.out_strides.head;
+    uint4 dout_chunks[kPreprocessChunksPerLane], out_chunks[kPreprocessChunksPerLane];
+#pragma unroll
+    for (int c = 0; c < kPreprocessChunksPerLane; ++c) {  // chunks chunk, chunk + kLanesPerRow
+      const int col = (chunk + c * kLanesPerRow) * kElementsPerChunk;
+      if (col < kHeadDim) {
+        dout_chunks[c] = *reinterpret_cast<const uint4*>(dout + col);
+        out_chunks[c] = *reinterpret_cast<const uint4*>(out + col);
+      } else {
+        dout_chunks[c] = out_chunks[c] = make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kPreprocessChunksPerLane; ++c) {
+      const Element* dout_values = reinterpret_cast<const Element*>(&dout_chunks[c]);
+      const Element* out_values = reinterpret_cast<const Element*>(&out_chunks[c]);
 #pragma unroll
       for (int e = 0; e < kElementsPerChunk; ++e) sum += to_float(dout_values[e]) * to_float(out_values[e]);
     }
