@@ -13,9 +13,11 @@ leaves the GPU idle inside the timed interval).
 
     python benchmarks/call_overhead.py [--host-profile]
 """
+import argparse
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 import flash_ext
@@ -63,7 +65,6 @@ def host_us_per_call(fn, calls=2000):
 
 
 def main():
-    import argparse
     parser = argparse.ArgumentParser()
     parser.add_argument("--host-profile", action="store_true", help="also list host time by op / CUDA runtime call")
     args = parser.parse_args()
@@ -91,7 +92,6 @@ def main():
     print(f"host per call (1 x 128 x {HEADS} x {HEAD_DIM}): fwd {fwd_host:.1f} us, bwd (autograd.grad) {bwd_host:.1f} us")
     if args.host_profile:
         # Where the host time goes: torch.profiler's CPU ops and CUDA runtime calls, 50 calls each.
-        from torch.profiler import ProfilerActivity, profile
         for name, fn in (("fwd", lambda: flash_ext.attention(q.detach(), k.detach(), v.detach())),
                          ("bwd", lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))):
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
