@@ -80,8 +80,8 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
 
   // Softcap, ALiBi and dropout: separate instantiations, as in the forward.
   const bool extras = params.softcap > 0.f || params.alibi_slopes != nullptr || params.has_dropout();
-  // The preprocess and convert kernels number rows through the batch; a variable-length batch is
-  // one packed batch of total_q (= lse_head_stride) rows.
+  // The preprocess kernel numbers rows through the batch; a variable-length batch is one packed batch
+  // of total_q (= lse_head_stride) rows.
   const int64_t rows_per_batch = params.is_varlen() ? params.lse_head_stride : params.seqlen_q;
   const int64_t num_rows = params.is_varlen() ? params.lse_head_stride : int64_t{params.batch} * params.seqlen_q;
 
@@ -146,9 +146,11 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
 
   // 3. dQ: rounded from the atomic sums, or computed by the deterministic dQ kernel.
   if (params.dq_accum != nullptr) {
-    const int64_t num_chunks = num_rows * params.heads_q * (kHeadDim / DqAccumLayout::kTileCols);
+    // A warp per (head, group of 8 accumulator rows, two 16-column tiles); the groups before the overhang.
+    const int64_t num_row_groups = (params.dq_accum_rows - DqAccumLayout::kOverhangRows) / DqAccumLayout::kTileRows;
+    const int64_t num_warps = params.heads_q * num_row_groups * (kHeadDim / (2 * DqAccumLayout::kTileCols));
     attention_bwd_convert_dq_kernel<kHeadDim, Element>
-        <<<static_cast<unsigned>((num_chunks + 255) / 256), 256, 0, stream>>>(params, rows_per_batch, num_rows);
+        <<<static_cast<unsigned>((num_warps + 7) / 8), 256, 0, stream>>>(params, num_row_groups);
     throw_on_cuda_error(cudaGetLastError(), "launching the dQ conversion kernel");
   } else {
     const auto dq_kernel =
