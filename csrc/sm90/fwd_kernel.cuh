@@ -179,6 +179,30 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
       tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, tma_batch);
     }
   };
+  // With one CTA per SM the hardware starts CTAs in launch order as SMs free up, so the CTA launched
+  // num_sm_ids() after this one starts about when this one ends. Its Q (read by no other CTA, so a DRAM
+  // miss) and its first K / V block go into L2 now: its start then waits for L2, not DRAM. (A CTA's
+  // start is what a narrow window pays per ~9 key blocks: benchmarks/NOTES.md, stop 18's ncu.) Not for
+  // variable-length batches, where the tile's rows would need a read of cu_seqlens first.
+  auto prefetch_next_wave_tile = [&]() {
+    const uint32_t next = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) + num_sm_ids();
+    const uint32_t next_z = next / (gridDim.x * gridDim.y);
+    if (next_z >= gridDim.z) return;
+    const int next_head = static_cast<int>(next / gridDim.x % gridDim.y);
+    const int next_first_row = static_cast<int>(gridDim.x - 1 - next % gridDim.x) * kBlockM;
+    const int next_last_row = min(next_first_row + kBlockM, len_q) - 1;
+    for (int c = 0; c < Tile::kColumnRegions; ++c) {
+      tma_prefetch_l2_4d(&maps.q, c * 64, next_first_row, next_head, next_z);
+    }
+    const int next_key_end = band.end(next_last_row);
+    if (next_key_end <= band.begin(next_first_row)) return;
+    const int key_row = (next_key_end - 1) / kBlockN * kBlockN;  // its first visited block
+    const int next_kv_head = next_head / params.heads_per_kv();
+    for (int c = 0; c < Tile::kColumnRegions; ++c) {
+      tma_prefetch_l2_4d(&maps.k, c * 64, key_row, next_kv_head, next_z);
+      tma_prefetch_l2_4d(&maps.v, c * 64, key_row, next_kv_head, next_z);
+    }
+  };
   if (threadIdx.x == 0) {
     mbarrier_init(bar_q_full, 1);
     for (int s = 0; s < kStages; ++s) {
@@ -198,6 +222,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
       tma_load_4d(smem_q + c * kBlockM * 128, &maps.q, bar_q_full, c * 64, q_row0, head, tma_batch);
     }
     for (int i = 0; i < min(num_blocks, kStages); ++i) load_key_block(i);
+    if (!params.is_varlen()) prefetch_next_wave_tile();
   }
   // Called by each warp once the wgmmas that read block i's buffers completed: the last of the 8 warps
   // reloads the buffer with block i + kStages.

@@ -53,6 +53,20 @@ __device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const void* tenso
       : "memory");
 }
 
+// Asks the TMA unit to bring the same box into L2 only: no shared memory, no barrier, nothing to wait for.
+__device__ __forceinline__ void tma_prefetch_l2_4d(const void* tensor_map, int col, int row, int head, int batch) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(tensor_map), "r"(col),
+               "r"(row), "r"(head), "r"(batch)
+               : "memory");
+}
+
+// The number of SM identifiers of the device (PTX %nsmid: at least the number of SMs).
+__device__ __forceinline__ uint32_t num_sm_ids() {
+  uint32_t n;
+  asm("mov.u32 %0, %%nsmid;\n" : "=r"(n));
+  return n;
+}
+
 // A contiguous copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) into shared memory,
 // completing `bar`'s transaction bytes.
 __device__ __forceinline__ void bulk_load(uint32_t smem_dst, const void* src, uint32_t bytes, uint32_t bar) {
