@@ -78,15 +78,17 @@ __global__ void __launch_bounds__(256)
   static_assert(kHeadDim % kElementsPerChunk == 0 && kChunks <= 32, "the preprocess kernel's head dims");
   constexpr int kLanesPerRow = preprocess_lanes_per_row(kHeadDim);
   static_assert(kChunks <= kLanesPerRow * kPreprocessChunksPerLane, "preprocess_lanes_per_row covers the row");
-  const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;  // head fastest
+  // Rows fastest, then heads: a warp's rows are consecutive in lse, D and row_stats, so its 4-byte reads and
+  // writes of them coalesce (with heads fastest, each was a sector of its own).
+  const int64_t row_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanesPerRow;
   const int chunk = threadIdx.x % kLanesPerRow;
   const bool valid_row = row_id < num_rows * params.heads_q;
   int head = 0;
   int64_t row = 0, batch = 0;
   float sum = 0.f;
   if (valid_row) {
-    const int64_t token = row_id / params.heads_q;
-    head = static_cast<int>(row_id - token * params.heads_q);
+    head = static_cast<int>(row_id / num_rows);
+    const int64_t token = row_id - head * num_rows;
     batch = token / rows_per_batch;
     row = token - batch * rows_per_batch;
     const Element* dout = static_cast<const Element*>(params.dout) + batch * params.dout_strides.batch +
