@@ -180,8 +180,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
     }
   };
   // With one CTA per SM the hardware starts CTAs in launch order as SMs free up, so the CTA launched
-  // num_sm_ids() after this one starts about when this one ends. Its Q (read by no other CTA, so else a DRAM
-  // miss) and its first K / V block go into L2 now. (A CTA's start is what a narrow window pays per ~9 key
+  // num_sm_ids() after this one starts about when this one ends. Its Q (read by no other CTA: a DRAM miss
+  // otherwise) and its first K / V block go into L2 now. (A CTA's start is what a narrow window pays per ~9 key
   // blocks: benchmarks/NOTES.md, stops 18-19.) Measured (H200, bf16, stop 19, two runs): 2k forward hd64
   // +6%, hd128 +3-5%; 8k and windows within +-1.5% (a start still takes ~3100 cycles to Q's arrival, stop
   // 19's timeline); hd256 -0.5 to -1.6% in both runs (its tiles are twice the bytes), so not there. Not for
