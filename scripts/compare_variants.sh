@@ -10,7 +10,8 @@
 #   bash scripts/compare_variants.sh [--tests] [--features[=GROUPS]] [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
-# At most 7 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16).
+# At most 7 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
+# TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all).
 set -uo pipefail
 
 OUT=${OUT:-/tmp/flash_ext_out}
@@ -46,7 +47,7 @@ measure() {  # name dir
     fi
     echo "build ok; ptxas: $(grep -c 'Used [0-9]* registers' "/tmp/build_$name.log") kernels," \
          "$(grep 'bytes spill stores' "/tmp/build_$name.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads') with spills"
-    if [ "$TESTS" = 1 ]; then
+    if [ "$TESTS" = 1 ] && { [ -z "${TEST_VARIANTS:-}" ] || [[ ",$TEST_VARIANTS," == *",$name,"* ]]; }; then
       timeout 240 "$PY" -m pytest tests -m cuda -q --maxfail=10 -p no:cacheprovider 2>&1 |
         grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-400 | tail -n 12
     fi
