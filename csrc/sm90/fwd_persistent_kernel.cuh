@@ -182,116 +182,60 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
     if (lane == 0) mbarrier_arrive(bar);
   };
 
-  int block_count = 0, q_count = 0;
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+  // S = Q Kᵀ of block g of the walk (Q from buffer q_buffer) into acc_s: issued and committed, not waited for.
+  auto issue_scores = [&](int g, int q_buffer, float (&acc_s)[1][kNTilesS][4]) {
+    const int stage = g % kStages;
+    const uint64_t q_desc = opaque_u64(swizzle128_descriptor(smem_q(q_buffer) + group * 64 * 128, 16));
+    const uint64_t k_desc = opaque_u64(swizzle128_descriptor(smem_k(stage), 16));
+    mbarrier_wait(bar_k_full(stage), (g / kStages) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < kHeadDim / 16; ++s) {
+      Mma::template ss<0>(acc_s[0], descriptor_plus(q_desc, qk_step_offset(kBlockM, s)),
+                          descriptor_plus(k_desc, qk_step_offset(kBlockN, s)), s);
+    }
+    wgmma_commit();
+  };
+  // Output 0 and lse -inf for this warpgroup's rows of a tile whose rows see no key.
+  auto write_empty_tile = [&](const FwdWalkTile& t) {
+    const int first_row = t.m_block * kBlockM;
+    const int valid_rows = min(kBlockM, len_q - first_row);
+    Element* out = static_cast<Element*>(params.out) + t.batch * params.out_strides.batch +
+                   t.head * params.out_strides.head + first_row * params.out_strides.row;
+    float* lse = params.lse + params.lse_index(t.batch, t.head, first_row);
+    for (int i = thread_in_group; i < 64 * kChunksPerRow; i += 128) {
+      const int row = 64 * group + i / kChunksPerRow, col = i % kChunksPerRow * 8;
+      if (row < valid_rows) *reinterpret_cast<uint4*>(out + row * params.out_strides.row + col) = make_uint4(0, 0, 0, 0);
+    }
+    if (thread_in_group < 64 && 64 * group + thread_in_group < valid_rows) lse[64 * group + thread_in_group] = -INFINITY;
+  };
+  // The first tile at or after `tile` (stepping by gridDim.x) with a key to see; empty ones written on the way.
+  auto next_nonempty_tile = [&](int tile) {
+    for (; tile < num_tiles; tile += gridDim.x) {
+      const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+      if (t.num_blocks() > 0) break;
+      write_empty_tile(t);
+    }
+    return tile;
+  };
+
+  // Epilogue of a finished tile (o_packed: its normalised O in 16 bits, [n-tile][row half]; row_lse): O over
+  // the warpgroup's own rows of the tile's Q buffer (its last S completed; the other warpgroup reads only its
+  // own rows), copied out in 16-byte chunks, then the buffer released.
+  auto store_tile = [&](int tile, int q_buffer, const uint32_t (&o_packed)[kNTilesO][2], const float (&row_lse)[2]) {
     const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
     const int first_row = t.m_block * kBlockM;
     const int valid_rows = min(kBlockM, len_q - first_row);
     Element* out = static_cast<Element*>(params.out) + t.batch * params.out_strides.batch +
                    t.head * params.out_strides.head + first_row * params.out_strides.row;
     float* lse = params.lse + params.lse_index(t.batch, t.head, first_row);
-    const int num_blocks = t.num_blocks();
-    if (num_blocks <= 0) {  // no row of the tile sees a key: output 0, lse -inf (this warpgroup's rows)
-      for (int i = thread_in_group; i < 64 * kChunksPerRow; i += 128) {
-        const int row = 64 * group + i / kChunksPerRow, col = i % kChunksPerRow * 8;
-        if (row < valid_rows) {
-          *reinterpret_cast<uint4*>(out + row * params.out_strides.row + col) = make_uint4(0, 0, 0, 0);
-        }
-      }
-      if (thread_in_group < 64 && 64 * group + thread_in_group < valid_rows) lse[64 * group + thread_in_group] = -INFINITY;
-      continue;
-    }
-    // Blocks needing the element-wise mask: as in fwd_kernel.cuh.
-    const int last_row = first_row + valid_rows - 1;
-    const int hi_unmasked = max(t.first_key_block, min(t.num_key_blocks, band.end(first_row) / kBlockN));
-    const int lo_unmasked =
-        min(hi_unmasked, max(t.first_key_block, (band.begin(last_row) + kBlockN - 1) / kBlockN));
-    const int q_buffer = q_count % 2;
-    const uint32_t smem_q_tile = smem_q(q_buffer);
-
-    // Block i of this tile is block block_count + i of the walk.
-    auto issue_scores = [&](int i, float (&acc_s)[1][kNTilesS][4]) {
-      const int stage = (block_count + i) % kStages;
-      const uint64_t q_desc = opaque_u64(swizzle128_descriptor(smem_q_tile + group * 64 * 128, 16));
-      const uint64_t k_desc = opaque_u64(swizzle128_descriptor(smem_k(stage), 16));
-      mbarrier_wait(bar_k_full(stage), ((block_count + i) / kStages) & 1);
-      wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < kHeadDim / 16; ++s) {
-        Mma::template ss<0>(acc_s[0], descriptor_plus(q_desc, qk_step_offset(kBlockM, s)),
-                            descriptor_plus(k_desc, qk_step_offset(kBlockN, s)), s);
-      }
-      wgmma_commit();
-    };
-    float acc_o[1][kNTilesO][4] = {};
-    auto issue_pv = [&](int i, const uint32_t (&p_frag)[1][kBlockN / 16][4]) {
-      const int stage = (block_count + i) % kStages;
-      const uint64_t v_desc = opaque_u64(swizzle128_descriptor(smem_v(stage), kBlockN * 128));
-      mbarrier_wait(bar_v_full(stage), ((block_count + i) / kStages) & 1);
-      wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < kBlockN / 16; ++s) {
-        MmaO::template rs<1>(acc_o[0], p_frag[0][s], descriptor_plus(v_desc, s * 16 * 128), 1);
-      }
-      wgmma_commit();
-    };
-    OnlineSoftmax<1> softmax;
-    // Block i's completed scores -> unnormalised probabilities in place (fp32); the rescale of O is left to
-    // the caller (o_factor; returns whether any row of the warp needs it), since O may still accumulate.
-    auto scores_to_probabilities = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&o_factor)[2]) {
-      const int key_block = t.num_key_blocks - 1 - i;
-      if (key_block >= hi_unmasked || key_block < lo_unmasked) {
-        mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
-      }
-      const bool rescale = softmax.template raise_bases<false>(acc_s, params.scale_log2, o_factor);
-      softmax.exponentiate(acc_s, params.scale_log2);
-      return rescale;
-    };
-
-    // One P buffer (FlashAttention-3's order): block i's probabilities stay in fp32 until P V of block
-    // i - 1, which reads the 16-bit P, has completed; only then are they converted over it. Two alternating
-    // P buffers (fwd_kernel.cuh) convert earlier but hold 32 more registers per thread, which the walk's
-    // state does not leave at 240.
-    mbarrier_wait(bar_q_full(q_buffer), (q_count / 2) & 1);
-    float acc_s[1][kNTilesS][4];
-    uint32_t p_frag[1][kBlockN / 16][4];
-    float o_factor[2];
-    issue_scores(0, acc_s);
-    wgmma_wait<0>();
-    register_fence(acc_s[0]);
-    release(bar_k_empty(block_count % kStages));
-    scores_to_probabilities(0, acc_s, o_factor);
-    accumulator_to_a_fragments<Element>(acc_s, p_frag);
-    for (int i = 1; i < num_blocks; ++i) {
-      issue_scores(i, acc_s);
-      issue_pv(i - 1, p_frag);
-      wgmma_wait<1>();  // S of block i (P V of block i - 1 may still run)
-      register_fence(acc_s[0]);
-      release(bar_k_empty((block_count + i) % kStages));
-      const bool rescale = scores_to_probabilities(i, acc_s, o_factor);
-      wgmma_wait<0>();  // P V of block i - 1
-      register_fence(acc_o[0]);
-      release(bar_v_empty((block_count + i - 1) % kStages));
-      accumulator_to_a_fragments<Element>(acc_s, p_frag);
-      if (rescale) softmax.rescale(acc_o, o_factor);
-    }
-    issue_pv(num_blocks - 1, p_frag);
-    wgmma_wait<0>();
-    register_fence(acc_o[0]);
-    release(bar_v_empty((block_count + num_blocks - 1) % kStages));
-
-    float row_lse[2];
-    softmax.finalize(acc_o, params.softmax_scale, row_lse);
-    // Epilogue: O (16-bit) over the warpgroup's own rows of this tile's Q buffer (its last S completed; the
-    // other warpgroup reads only its own rows), copied out in 16-byte chunks, then the buffer released.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp_first_row + lane / 4 + 8 * half;
 #pragma unroll
       for (int j = 0; j < kNTilesO; ++j) {
         *reinterpret_cast<uint32_t*>(smem + q_buffer * Tile::kQBytes +
-                                     swizzled_offset(kBlockM, row, j * 8 + 2 * (lane % 4))) =
-            pack_float2<Element>(acc_o[0][j][2 * half], acc_o[0][j][2 * half + 1]);
+                                     swizzled_offset(kBlockM, row, j * 8 + 2 * (lane % 4))) = o_packed[j][half];
       }
       if (lane % 4 == 0 && row < valid_rows) lse[row] = row_lse[half];
     }
@@ -308,9 +252,100 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
     fence_async_shared();
     __syncwarp();
     release(bar_q_empty(q_buffer));
+  };
+
+  // Across tiles the warpgroup keeps its tensor work going: a tile's epilogue runs after the next tile's
+  // first S was issued, while it computes. (The S is issued and waited for within one iteration: an S in
+  // flight across the loop's back edge made ptxas serialise the wgmmas, C7515.)
+  // The finished tile's O is carried to its epilogue in 16 bits: converted right after its last P V, so that
+  // the epilogue (after the next S was issued) reads no register a wgmma wrote (ptxas inserted a wait for
+  // the S there, C7517, when it read acc_o).
+  float acc_s[1][kNTilesS][4];
+  uint32_t o_packed[kNTilesO][2];
+  float row_lse[2];
+  int block_count = 0, q_count = 0;
+  int finished_tile = -1;  // a tile whose epilogue is pending
+  for (int tile = next_nonempty_tile(blockIdx.x); tile < num_tiles; tile = next_nonempty_tile(tile + gridDim.x)) {
+    const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+    const int first_row = t.m_block * kBlockM;
+    const int valid_rows = min(kBlockM, len_q - first_row);
+    const int num_blocks = t.num_blocks();
+    // Blocks needing the element-wise mask: as in fwd_kernel.cuh.
+    const int last_row = first_row + valid_rows - 1;
+    const int hi_unmasked = max(t.first_key_block, min(t.num_key_blocks, band.end(first_row) / kBlockN));
+    const int lo_unmasked =
+        min(hi_unmasked, max(t.first_key_block, (band.begin(last_row) + kBlockN - 1) / kBlockN));
+    const int q_buffer = q_count % 2;
+
+    // Not zeroed: the tile's first P V overwrites it (its first k-step does not accumulate).
+    float acc_o[1][kNTilesO][4];
+    auto issue_pv = [&](int i, const uint32_t (&p_frag)[1][kBlockN / 16][4]) {
+      const int stage = (block_count + i) % kStages;
+      const uint64_t v_desc = opaque_u64(swizzle128_descriptor(smem_v(stage), kBlockN * 128));
+      mbarrier_wait(bar_v_full(stage), ((block_count + i) / kStages) & 1);
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < kBlockN / 16; ++s) {
+        MmaO::template rs<1>(acc_o[0], p_frag[0][s], descriptor_plus(v_desc, s * 16 * 128), i > 0 || s > 0);
+      }
+      wgmma_commit();
+    };
+    OnlineSoftmax<1> softmax;
+    // Block i's completed scores -> unnormalised probabilities in place (fp32); the rescale of O is left to
+    // the caller (o_factor; returns whether any row of the warp needs it), since O may still accumulate.
+    auto scores_to_probabilities = [&](int i, float (&o_factor)[2]) {
+      const int key_block = t.num_key_blocks - 1 - i;
+      if (key_block >= hi_unmasked || key_block < lo_unmasked) {
+        mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+      }
+      const bool rescale = softmax.template raise_bases<false>(acc_s, params.scale_log2, o_factor);
+      softmax.exponentiate(acc_s, params.scale_log2);
+      return rescale;
+    };
+
+    mbarrier_wait(bar_q_full(q_buffer), (q_count / 2) & 1);
+    issue_scores(block_count, q_buffer, acc_s);
+    if (finished_tile >= 0) store_tile(finished_tile, 1 - q_buffer, o_packed, row_lse);
+
+    // One P buffer (FlashAttention-3's order): block i's probabilities stay in fp32 until P V of block
+    // i - 1, which reads the 16-bit P, has completed; only then are they converted over it. Two alternating
+    // P buffers (fwd_kernel.cuh) convert earlier but hold 32 more registers per thread, which the walk's
+    // state does not leave at 240.
+    uint32_t p_frag[1][kBlockN / 16][4];
+    float o_factor[2];
+    wgmma_wait<0>();
+    register_fence(acc_s[0]);
+    release(bar_k_empty(block_count % kStages));
+    scores_to_probabilities(0, o_factor);
+    accumulator_to_a_fragments<Element>(acc_s, p_frag);
+    for (int i = 1; i < num_blocks; ++i) {
+      issue_scores(block_count + i, q_buffer, acc_s);
+      issue_pv(i - 1, p_frag);
+      wgmma_wait<1>();  // S of block i (P V of block i - 1 may still run)
+      register_fence(acc_s[0]);
+      release(bar_k_empty((block_count + i) % kStages));
+      const bool rescale = scores_to_probabilities(i, o_factor);
+      wgmma_wait<0>();  // P V of block i - 1
+      register_fence(acc_o[0]);
+      release(bar_v_empty((block_count + i - 1) % kStages));
+      accumulator_to_a_fragments<Element>(acc_s, p_frag);
+      if (rescale) softmax.rescale(acc_o, o_factor);
+    }
+    issue_pv(num_blocks - 1, p_frag);
+    wgmma_wait<0>();
+    register_fence(acc_o[0]);
+    release(bar_v_empty((block_count + num_blocks - 1) % kStages));
+    softmax.finalize(acc_o, params.softmax_scale, row_lse);
+#pragma unroll
+    for (int j = 0; j < kNTilesO; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) o_packed[j][half] = pack_float2<Element>(acc_o[0][j][2 * half], acc_o[0][j][2 * half + 1]);
+    }
+    finished_tile = tile;
     block_count += num_blocks;
     ++q_count;
   }
+  if (finished_tile >= 0) store_tile(finished_tile, 1 - q_count % 2, o_packed, row_lse);
 #endif  // sm_90a
 }
 
