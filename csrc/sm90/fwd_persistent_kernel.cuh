@@ -4,13 +4,16 @@
 // fwd_kernel.cuh's CTA spends ~20% of such a tile outside its loop: barrier set-up and TMA descriptor
 // fetch, Q's arrival, block 0's unoverlapped S, the epilogue (benchmarks/NOTES.md, stop 19's timeline).
 // Here one CTA per SM walks tiles blockIdx.x, + gridDim.x, ..., and a producer warp keeps loading ahead
-// across tile boundaries, so the next tile's Q and first K / V are in shared memory when its loop starts.
+// across tile boundaries, so the next tile's Q and first K / V are in shared memory when its loop starts,
+// and each consumer warpgroup issues the next tile's first S before this tile's epilogue.
+// Measured (H200, bf16, 16k, 16 heads, beside fwd_kernel.cuh in the same runs): window (1024, 0)
+// 0.309-0.313 -> 0.273-0.277 ms, (1024, 1024) 0.543-0.563 -> 0.492-0.499 ms (benchmarks/NOTES.md, stop 21).
 //
 // Roles (FlashAttention-3's warp specialisation): warpgroup 0 is the producer; one of its threads issues
 // every TMA load, the warpgroup gives its registers to the consumers (setmaxnreg: 24 per thread, the two
-// consumers 240). Warpgroups 1 and 2 each compute 64 rows of the tile's 128, with the same math as
-// fwd_kernel.cuh's pipelined loop (block i's S and block i - 1's P V issued together, the softmax of
-// block i while that P V runs). Buffers and their mbarriers:
+// consumers 240). Warpgroups 1 and 2 each compute 64 rows of the tile's 128, with fwd_kernel.cuh's
+// intra-warpgroup pipelining (block i's S and block i - 1's P V issued together, the softmax of block i
+// while that P V runs) but one P buffer (see the loop). Buffers and their mbarriers:
 //   Q[2]: tile t's Q in buffer t % 2, so tile t + 1's Q loads during tile t; the epilogue stages O over
 //     its own Q buffer, which the consumers release (q_empty) once O is copied out.
 //   K[2], V[2]: block g of the CTA's walk (counted over all its tiles) in buffer g % 2; K(g) is released
@@ -18,6 +21,9 @@
 //     a whole step to land with two buffers: K(g + 1) may load once S(g - 1) completed, V(g) once
 //     P V(g - 2) completed, and both are needed one step later.
 // Shared memory: 2 x 32 (Q) + 2 x 32 (K) + 2 x 32 (V) = 192 KB.
+// Tried and slower (stop 21): O stored by TMA (the Q buffer released once the store had read it: (1024, 0)
+// 0.277 -> 0.292 ms), O stored from registers without staging (0.293 ms), tiles ranked longest first and
+// dealt in alternating rounds to even out the CTAs' block counts (+-1-2%, branch next/fwd-ws-balanced-order).
 //
 // Launches it takes (fwd_launch_template.cuh): a bounded left window (a causal launch keeps fwd_kernel.cuh,
 // whose one-tile CTAs start heaviest-first), no variable-length batch, no softcap / ALiBi / dropout.
