@@ -51,6 +51,20 @@ def test_window_edges_at_tile_boundaries(seqlen_q, seqlen_k):
             check_forward_and_gradients(q, k, v, window_size=(left, right))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k,window_size", [(1100, 1100, (16, 0)), (1100, 1100, (300, 200)),
+                                                           (1100, 700, (0, 0)), (900, 1300, (1024, 0)),
+                                                           (1100, 1100, (129, -1))], ids=str)
+def test_window_walk_over_many_tiles(seqlen_q, seqlen_k, window_size, dtype):
+    """hd128 windows take the persistent forward (one CTA per SM walking row blocks): with 3 x 8 heads x 7-9
+    row blocks there are more tiles than SMs, so each CTA reuses its buffers over several tiles of different
+    lengths (and, with seqlen_q > seqlen_k at window (0, 0), skips tiles that see no key)."""
+    q, k, v = make_qkv(3, seqlen_q, seqlen_k, 8, 4, 128, dtype, device="cuda")
+    check_forward(q, k, v, causal=False, window_size=window_size)
+    # Twice in a row: a walk must leave nothing behind that the next launch depends on.
+    check_forward(q, k, v, causal=False, window_size=window_size)
+
+
 def test_causal_with_window_equals_the_clamped_window():
     q, k, v = make_qkv(2, 90, 150, 2, 2, 64, torch.bfloat16, device="cuda")
     combined = flash_ext.attention(q, k, v, causal=True, window_size=(16, 8), return_lse=True)

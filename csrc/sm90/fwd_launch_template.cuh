@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "fwd_kernel.cuh"
+#include "fwd_persistent_kernel.cuh"
 #include "launch.h"
 #include "launch_common.cuh"
 
@@ -47,8 +48,25 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
   }
 
   sm80::check_grid_limits(params, "forward");
-  set_smem_limit(kernel, Tile::kSmemBytes, "the sm90 forward kernel");
   const int64_t num_m_blocks = (params.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
+  // Sliding windows (a bounded left side) at head_dim 128: the persistent kernel, one CTA per SM.
+  if constexpr (kHeadDim == FwdSm90PersistentTile::kHeadDim) {
+    const int64_t num_tiles = num_m_blocks * params.heads_q * params.batch;  // the kernel counts them in int32
+    if (params.window_left != FwdParams::kUnbounded && !params.is_varlen() && !score_mods && !params.has_dropout() &&
+        num_tiles <= INT32_MAX) {
+      const auto persistent = attention_fwd_sm90_persistent_kernel<Element>;
+      int device = 0, num_sms = 0;
+      throw_on_cuda_error(cudaGetDevice(&device), "querying the current device");
+      throw_on_cuda_error(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+                          "querying the number of SMs");
+      set_smem_limit(persistent, FwdSm90PersistentTile::kSmemBytes, "the sm90 persistent forward kernel");
+      const unsigned grid = static_cast<unsigned>(num_tiles < num_sms ? num_tiles : num_sms);
+      persistent<<<grid, FwdSm90PersistentTile::kThreads, FwdSm90PersistentTile::kSmemBytes, stream>>>(params, maps);
+      throw_on_cuda_error(cudaGetLastError(), "launching the sm90 persistent forward kernel");
+      return true;
+    }
+  }
+  set_smem_limit(kernel, Tile::kSmemBytes, "the sm90 forward kernel");
   const dim3 grid(static_cast<unsigned>(num_m_blocks), params.heads_q, params.batch);
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(params, maps);
   throw_on_cuda_error(cudaGetLastError(), "launching the sm90 forward kernel");

@@ -40,6 +40,24 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
+// One arrival (no transaction bytes): a consumer's release of a buffer to the producer.
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// ---- register reallocation between warpgroups (setmaxnreg) ----
+
+// The warpgroup gives up registers down to kRegisters per thread (the producer of a warp-specialised kernel).
+template <int kRegisters>
+__device__ __forceinline__ void release_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+// The warpgroup takes registers up to kRegisters per thread from those released (the consumers).
+template <int kRegisters>
+__device__ __forceinline__ void claim_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
 // ---- TMA ----
 
 // A box of a 4-D tensor (coordinates innermost first: column, row, head, batch) into shared memory,

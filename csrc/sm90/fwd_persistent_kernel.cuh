@@ -1,0 +1,358 @@
+// Hopper (sm_90a) forward for sliding windows at head_dim 128: persistent and warp-specialised.
+//
+// Why a second sm90 forward: a window's row block visits few key blocks (9 at window (1024, 0)), and
+// fwd_kernel.cuh's CTA spends ~20% of such a tile outside its loop: barrier set-up and TMA descriptor
+// fetch, Q's arrival, block 0's unoverlapped S, the epilogue (benchmarks/NOTES.md, stop 19's timeline).
+// Here one CTA per SM walks tiles blockIdx.x, + gridDim.x, ..., and a producer warp keeps loading ahead
+// across tile boundaries, so the next tile's Q and first K / V are in shared memory when its loop starts,
+// and each consumer warpgroup issues the next tile's first S before this tile's epilogue.
+// Measured (H200, bf16, 16k, 16 heads, beside fwd_kernel.cuh in the same runs): window (1024, 0)
+// 0.309-0.313 -> 0.273-0.277 ms, (1024, 1024) 0.543-0.563 -> 0.492-0.499 ms (benchmarks/NOTES.md, stop 21).
+//
+// Roles (FlashAttention-3's warp specialisation): warpgroup 0 is the producer; one of its threads issues
+// every TMA load, the warpgroup gives its registers to the consumers (setmaxnreg: 24 per thread, the two
+// consumers 240). Warpgroups 1 and 2 each compute 64 rows of the tile's 128, with fwd_kernel.cuh's
+// intra-warpgroup pipelining (block i's S and block i - 1's P V issued together, the softmax of block i
+// while that P V runs) but one P buffer (see the loop). Buffers and their mbarriers:
+//   Q[2]: tile t's Q in buffer t % 2, so tile t + 1's Q loads during tile t; the epilogue stages O over
+//     its own Q buffer, which the consumers release (q_empty) once O is copied out.
+//   K[2], V[2]: block g of the CTA's walk (counted over all its tiles) in buffer g % 2; K(g) is released
+//     as soon as S(g) completed, V(g) once P V(g) completed. Separate K and V releases give each load
+//     a whole step to land with two buffers: K(g + 1) may load once S(g - 1) completed, V(g) once
+//     P V(g - 2) completed, and both are needed one step later.
+// Shared memory: 2 x 32 (Q) + 2 x 32 (K) + 2 x 32 (V) = 192 KB.
+// Tried and slower (stop 21): O stored by TMA (the Q buffer released once the store had read it: (1024, 0)
+// 0.277 -> 0.292 ms), O stored from registers without staging (0.293 ms), tiles ranked longest first and
+// dealt in alternating rounds to even out the CTAs' block counts (+-1-2%, branch next/fwd-ws-balanced-order).
+//
+// Launches it takes (fwd_launch_template.cuh): a bounded left window (a causal launch keeps fwd_kernel.cuh,
+// whose one-tile CTAs start heaviest-first), no variable-length batch, no softcap / ALiBi / dropout.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a type only)
+
+#include <cstdint>
+
+#include "../common/band_mask.cuh"
+#include "../common/online_softmax.cuh"
+#include "../common/ptx.cuh"
+#include "../common/score_tile.cuh"
+#include "../common/warp_gemm.cuh"
+#include "../params.h"
+#include "fwd_kernel.cuh"  // FwdTensorMaps, swizzled_offset
+#include "ptx_sm90.cuh"
+#include "wgmma.cuh"
+
+namespace flash_ext::sm90 {
+
+struct FwdSm90PersistentTile {
+  static constexpr int kHeadDim = 128;
+  static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerWarps = 8;
+  static constexpr int kThreads = 32 * (4 + kConsumerWarps);
+  // setmaxnreg: 24 x 128 + 240 x 256 = 64512 of the SM's 65536 registers (the launch gives 168 each).
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static constexpr int kColumnRegions = kHeadDim / 64;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKvBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kKOffset = 2 * kQBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
+  // mbarriers: q_full[2], q_empty[2], k_full[S], k_empty[S], v_full[S], v_empty[S].
+  static constexpr int kBarrierOffset = kVOffset + kStages * kKvBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + 8 * (4 + 4 * kStages) + 1024;  // +1024: base alignment
+};
+
+// What both roles need of tile `tile` (row block fastest, then head, then batch).
+struct FwdWalkTile {
+  int m_block, head, batch;
+  int first_key_block, num_key_blocks;  // visited from num_key_blocks - 1 down to first_key_block
+
+  __device__ __forceinline__ FwdWalkTile(int tile, int num_m_blocks, int heads, int len_q, const BandMask& band) {
+    m_block = tile % num_m_blocks;
+    head = tile / num_m_blocks % heads;
+    batch = tile / num_m_blocks / heads;
+    const int first_row = m_block * FwdSm90PersistentTile::kBlockM;
+    const int last_row = min(first_row + FwdSm90PersistentTile::kBlockM, len_q) - 1;
+    const int key_begin = band.begin(first_row), key_end = band.end(last_row);
+    first_key_block = key_begin / FwdSm90PersistentTile::kBlockN;
+    num_key_blocks = key_end > key_begin ? (key_end + FwdSm90PersistentTile::kBlockN - 1) / FwdSm90PersistentTile::kBlockN
+                                         : first_key_block;
+  }
+  __device__ __forceinline__ int num_blocks() const { return num_key_blocks - first_key_block; }
+};
+
+template <typename Element>
+__global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
+    attention_fwd_sm90_persistent_kernel(const __grid_constant__ FwdParams params,
+                                         const __grid_constant__ FwdTensorMaps maps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Tile = FwdSm90PersistentTile;
+  constexpr int kBlockM = Tile::kBlockM;
+  constexpr int kBlockN = Tile::kBlockN;
+  constexpr int kHeadDim = Tile::kHeadDim;
+  constexpr int kStages = Tile::kStages;
+  constexpr int kNTilesS = kBlockN / 8;
+  constexpr int kNTilesO = kHeadDim / 8;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t smem_base = (smem_address(smem_raw) + 1023) & ~1023u;
+  unsigned char* smem = smem_raw + (smem_base - smem_address(smem_raw));
+  auto smem_q = [&](int buffer) { return smem_base + buffer * Tile::kQBytes; };
+  auto smem_k = [&](int stage) { return smem_base + Tile::kKOffset + stage * Tile::kKvBytes; };
+  auto smem_v = [&](int stage) { return smem_base + Tile::kVOffset + stage * Tile::kKvBytes; };
+  const uint32_t bars = smem_base + Tile::kBarrierOffset;
+  auto bar_q_full = [&](int buffer) { return bars + 8 * buffer; };
+  auto bar_q_empty = [&](int buffer) { return bars + 8 * (2 + buffer); };
+  auto bar_k_full = [&](int stage) { return bars + 8 * (4 + stage); };
+  auto bar_k_empty = [&](int stage) { return bars + 8 * (4 + kStages + stage); };
+  auto bar_v_full = [&](int stage) { return bars + 8 * (4 + 2 * kStages + stage); };
+  auto bar_v_empty = [&](int stage) { return bars + 8 * (4 + 3 * kStages + stage); };
+
+  const int len_q = static_cast<int>(params.seqlen_q);
+  const int len_k = static_cast<int>(params.seqlen_k);
+  const int num_m_blocks = (len_q + kBlockM - 1) / kBlockM;
+  const int num_tiles = num_m_blocks * params.heads_q * params.batch;
+  const BandMask band(params, len_q, len_k);
+
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 2; ++b) {
+      mbarrier_init(bar_q_full(b), 1);
+      mbarrier_init(bar_q_empty(b), Tile::kConsumerWarps);
+    }
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(bar_k_full(s), 1);
+      mbarrier_init(bar_k_empty(s), Tile::kConsumerWarps);
+      mbarrier_init(bar_v_full(s), 1);
+      mbarrier_init(bar_v_empty(s), Tile::kConsumerWarps);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
+  if (warp < 4) {
+    // ---- producer ----
+    release_registers<Tile::kProducerRegisters>();
+    if (warp != 0 || lane != 0) return;
+    prefetch_tensor_map(&maps.q);
+    prefetch_tensor_map(&maps.k);
+    prefetch_tensor_map(&maps.v);
+    // An empty barrier's first wait (parity 1 on a fresh barrier) passes: every buffer starts free.
+    int block_count = 0, q_count = 0;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+      if (t.num_blocks() <= 0) continue;
+      const int kv_head = t.head / params.heads_per_kv();
+      const int q_buffer = q_count % 2;
+      mbarrier_wait(bar_q_empty(q_buffer), ((q_count / 2) & 1) ^ 1);
+      mbarrier_arrive_expect_bytes(bar_q_full(q_buffer), Tile::kQBytes);
+      for (int c = 0; c < Tile::kColumnRegions; ++c) {
+        tma_load_4d(smem_q(q_buffer) + c * kBlockM * 128, &maps.q, bar_q_full(q_buffer), c * 64, t.m_block * kBlockM,
+                    t.head, t.batch);
+      }
+      ++q_count;
+      for (int i = 0; i < t.num_blocks(); ++i, ++block_count) {
+        const int stage = block_count % kStages;
+        const uint32_t free_parity = ((block_count / kStages) & 1) ^ 1;
+        const int key_row = (t.num_key_blocks - 1 - i) * kBlockN;
+        mbarrier_wait(bar_k_empty(stage), free_parity);
+        mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
+        for (int c = 0; c < Tile::kColumnRegions; ++c) {
+          tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, t.batch);
+        }
+        mbarrier_wait(bar_v_empty(stage), free_parity);
+        mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
+        for (int c = 0; c < Tile::kColumnRegions; ++c) {
+          tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, t.batch);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  claim_registers<Tile::kConsumerRegisters>();
+  const int group = warp / 4 - 1;  // consumer warpgroup: rows 64 * group .. + 63 of the tile
+  const int warp_first_row = 64 * group + 16 * (warp % 4);
+  const int thread_in_group = threadIdx.x % 128;
+  using Mma = Wgmma<Element, kBlockN>;
+  using MmaO = Wgmma<Element, kHeadDim>;
+  auto qk_step_offset = [](int rows, int t) { return static_cast<uint32_t>((t / 4) * rows * 128 + (t % 4) * 32); };
+  auto release = [&](uint32_t bar) {
+    if (lane == 0) mbarrier_arrive(bar);
+  };
+
+  // S = Q Kᵀ of block g of the walk (Q from buffer q_buffer) into acc_s: issued and committed, not waited for.
+  auto issue_scores = [&](int g, int q_buffer, float (&acc_s)[1][kNTilesS][4]) {
+    const int stage = g % kStages;
+    const uint64_t q_desc = opaque_u64(swizzle128_descriptor(smem_q(q_buffer) + group * 64 * 128, 16));
+    const uint64_t k_desc = opaque_u64(swizzle128_descriptor(smem_k(stage), 16));
+    mbarrier_wait(bar_k_full(stage), (g / kStages) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < kHeadDim / 16; ++s) {
+      Mma::template ss<0>(acc_s[0], descriptor_plus(q_desc, qk_step_offset(kBlockM, s)),
+                          descriptor_plus(k_desc, qk_step_offset(kBlockN, s)), s);
+    }
+    wgmma_commit();
+  };
+  // Output 0 and lse -inf for this warpgroup's rows of a tile whose rows see no key.
+  auto write_empty_tile = [&](const FwdWalkTile& t) {
+    const int first_row = t.m_block * kBlockM;
+    const int valid_rows = min(kBlockM, len_q - first_row);
+    Element* out = static_cast<Element*>(params.out) + t.batch * params.out_strides.batch +
+                   t.head * params.out_strides.head + first_row * params.out_strides.row;
+    float* lse = params.lse + params.lse_index(t.batch, t.head, first_row);
+    for (int i = thread_in_group; i < 64 * kChunksPerRow; i += 128) {
+      const int row = 64 * group + i / kChunksPerRow, col = i % kChunksPerRow * 8;
+      if (row < valid_rows) *reinterpret_cast<uint4*>(out + row * params.out_strides.row + col) = make_uint4(0, 0, 0, 0);
+    }
+    if (thread_in_group < 64 && 64 * group + thread_in_group < valid_rows) lse[64 * group + thread_in_group] = -INFINITY;
+  };
+  // The first tile at or after `tile` (stepping by gridDim.x) with a key to see; empty ones written on the way.
+  auto next_nonempty_tile = [&](int tile) {
+    for (; tile < num_tiles; tile += gridDim.x) {
+      const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+      if (t.num_blocks() > 0) break;
+      write_empty_tile(t);
+    }
+    return tile;
+  };
+
+  // Epilogue of a finished tile (o_packed: its normalised O in 16 bits, [n-tile][row half]; row_lse): O over
+  // the warpgroup's own rows of the tile's Q buffer (its last S completed; the other warpgroup reads only its
+  // own rows), copied out in 16-byte chunks, then the buffer released.
+  auto store_tile = [&](int tile, int q_buffer, const uint32_t (&o_packed)[kNTilesO][2], const float (&row_lse)[2]) {
+    const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+    const int first_row = t.m_block * kBlockM;
+    const int valid_rows = min(kBlockM, len_q - first_row);
+    Element* out = static_cast<Element*>(params.out) + t.batch * params.out_strides.batch +
+                   t.head * params.out_strides.head + first_row * params.out_strides.row;
+    float* lse = params.lse + params.lse_index(t.batch, t.head, first_row);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_first_row + lane / 4 + 8 * half;
+#pragma unroll
+      for (int j = 0; j < kNTilesO; ++j) {
+        *reinterpret_cast<uint32_t*>(smem + q_buffer * Tile::kQBytes +
+                                     swizzled_offset(kBlockM, row, j * 8 + 2 * (lane % 4))) = o_packed[j][half];
+      }
+      if (lane % 4 == 0 && row < valid_rows) lse[row] = row_lse[half];
+    }
+    named_barrier_sync(1 + group, 128);
+    for (int chunk_id = thread_in_group; chunk_id < 64 * kChunksPerRow; chunk_id += 128) {
+      const int row = 64 * group + chunk_id / kChunksPerRow;
+      const int col = chunk_id % kChunksPerRow * 8;
+      if (row < valid_rows) {
+        *reinterpret_cast<uint4*>(out + row * params.out_strides.row + col) =
+            *reinterpret_cast<const uint4*>(smem + q_buffer * Tile::kQBytes + swizzled_offset(kBlockM, row, col));
+      }
+    }
+    // The buffer's next writer is TMA (the async proxy): order this thread's shared-memory accesses first.
+    fence_async_shared();
+    __syncwarp();
+    release(bar_q_empty(q_buffer));
+  };
+
+  // Across tiles the warpgroup keeps its tensor work going: a tile's epilogue runs after the next tile's
+  // first S was issued, while it computes. (The S is issued and waited for within one iteration: an S in
+  // flight across the loop's back edge made ptxas serialise the wgmmas, C7515.)
+  // The finished tile's O is carried to its epilogue in 16 bits: converted right after its last P V, so that
+  // the epilogue (after the next S was issued) reads no register a wgmma wrote (ptxas inserted a wait for
+  // the S there, C7517, when it read acc_o).
+  float acc_s[1][kNTilesS][4];
+  uint32_t o_packed[kNTilesO][2];
+  float row_lse[2];
+  int block_count = 0, q_count = 0;
+  int finished_tile = -1;  // a tile whose epilogue is pending
+  for (int tile = next_nonempty_tile(blockIdx.x); tile < num_tiles; tile = next_nonempty_tile(tile + gridDim.x)) {
+    const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+    const int first_row = t.m_block * kBlockM;
+    const int valid_rows = min(kBlockM, len_q - first_row);
+    const int num_blocks = t.num_blocks();
+    // Blocks needing the element-wise mask: as in fwd_kernel.cuh.
+    const int last_row = first_row + valid_rows - 1;
+    const int hi_unmasked = max(t.first_key_block, min(t.num_key_blocks, band.end(first_row) / kBlockN));
+    const int lo_unmasked =
+        min(hi_unmasked, max(t.first_key_block, (band.begin(last_row) + kBlockN - 1) / kBlockN));
+    const int q_buffer = q_count % 2;
+
+    // Not zeroed: the tile's first P V overwrites it (its first k-step does not accumulate).
+    float acc_o[1][kNTilesO][4];
+    auto issue_pv = [&](int i, const uint32_t (&p_frag)[1][kBlockN / 16][4]) {
+      const int stage = (block_count + i) % kStages;
+      const uint64_t v_desc = opaque_u64(swizzle128_descriptor(smem_v(stage), kBlockN * 128));
+      mbarrier_wait(bar_v_full(stage), ((block_count + i) / kStages) & 1);
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < kBlockN / 16; ++s) {
+        MmaO::template rs<1>(acc_o[0], p_frag[0][s], descriptor_plus(v_desc, s * 16 * 128), i > 0 || s > 0);
+      }
+      wgmma_commit();
+    };
+    OnlineSoftmax<1> softmax;
+    // Block i's completed scores -> unnormalised probabilities in place (fp32); the rescale of O is left to
+    // the caller (o_factor; returns whether any row of the warp needs it), since O may still accumulate.
+    auto scores_to_probabilities = [&](int i, float (&o_factor)[2]) {
+      const int key_block = t.num_key_blocks - 1 - i;
+      if (key_block >= hi_unmasked || key_block < lo_unmasked) {
+        mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+      }
+      const bool rescale = softmax.template raise_bases<false>(acc_s, params.scale_log2, o_factor);
+      softmax.exponentiate(acc_s, params.scale_log2);
+      return rescale;
+    };
+
+    mbarrier_wait(bar_q_full(q_buffer), (q_count / 2) & 1);
+    issue_scores(block_count, q_buffer, acc_s);
+    if (finished_tile >= 0) store_tile(finished_tile, 1 - q_buffer, o_packed, row_lse);
+
+    // One P buffer (FlashAttention-3's order): block i's probabilities stay in fp32 until P V of block
+    // i - 1, which reads the 16-bit P, has completed; only then are they converted over it. Two alternating
+    // P buffers (fwd_kernel.cuh) convert earlier but hold 32 more registers per thread, which the walk's
+    // state does not leave at 240.
+    uint32_t p_frag[1][kBlockN / 16][4];
+    float o_factor[2];
+    wgmma_wait<0>();
+    register_fence(acc_s[0]);
+    release(bar_k_empty(block_count % kStages));
+    scores_to_probabilities(0, o_factor);
+    accumulator_to_a_fragments<Element>(acc_s, p_frag);
+    for (int i = 1; i < num_blocks; ++i) {
+      issue_scores(block_count + i, q_buffer, acc_s);
+      issue_pv(i - 1, p_frag);
+      wgmma_wait<1>();  // S of block i (P V of block i - 1 may still run)
+      register_fence(acc_s[0]);
+      release(bar_k_empty((block_count + i) % kStages));
+      const bool rescale = scores_to_probabilities(i, o_factor);
+      wgmma_wait<0>();  // P V of block i - 1
+      register_fence(acc_o[0]);
+      release(bar_v_empty((block_count + i - 1) % kStages));
+      accumulator_to_a_fragments<Element>(acc_s, p_frag);
+      if (rescale) softmax.rescale(acc_o, o_factor);
+    }
+    issue_pv(num_blocks - 1, p_frag);
+    wgmma_wait<0>();
+    register_fence(acc_o[0]);
+    release(bar_v_empty((block_count + num_blocks - 1) % kStages));
+    softmax.finalize(acc_o, params.softmax_scale, row_lse);
+#pragma unroll
+    for (int j = 0; j < kNTilesO; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) o_packed[j][half] = pack_float2<Element>(acc_o[0][j][2 * half], acc_o[0][j][2 * half + 1]);
+    }
+    finished_tile = tile;
+    block_count += num_blocks;
+    ++q_count;
+  }
+  if (finished_tile >= 0) store_tile(finished_tile, 1 - q_count % 2, o_packed, row_lse);
+#endif  // sm_90a
+}
+
+}  // namespace flash_ext::sm90
