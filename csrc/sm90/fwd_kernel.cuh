@@ -93,6 +93,29 @@ __device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int col) 
   return (col / 64) * rows * 128 + row * 128 + ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
 }
 
+// S = Q Kᵀ for one warpgroup's 64 query rows once K has arrived (`k_full`'s phase `parity`): q_rows is the
+// warpgroup's first Q row in a kBlockM-row tile, k_tile a kBlockN-row K tile, both swizzled (k-step t covers
+// head-dim columns 16t .. 16t + 15: region t / 4, 32 bytes per step inside it). Issued and committed, not
+// waited for. The descriptors are opaque per call (opaque_u64: otherwise ptxas keeps every k-step's 64-bit
+// descriptor of every buffer live across the loop). Shared by both sm90 forward kernels.
+template <typename Element, int kBlockM, int kBlockN, int kHeadDim>
+__device__ __forceinline__ void issue_qk_gemm(float (&acc_s)[kBlockN / 8][4], uint32_t q_rows, uint32_t k_tile,
+                                              uint32_t k_full, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  auto step_offset = [](int rows, int t) { return static_cast<uint32_t>((t / 4) * rows * 128 + (t % 4) * 32); };
+  const uint64_t q_desc = opaque_u64(swizzle128_descriptor(q_rows, 16));
+  const uint64_t k_desc = opaque_u64(swizzle128_descriptor(k_tile, 16));
+  mbarrier_wait(k_full, parity);
+  wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < kHeadDim / 16; ++t) {
+    Wgmma<Element, kBlockN>::template ss<0>(acc_s, descriptor_plus(q_desc, step_offset(kBlockM, t)),
+                                            descriptor_plus(k_desc, step_offset(kBlockN, t)), t);
+  }
+  wgmma_commit();
+#endif
+}
+
 // kExtras: softcap and ALiBi (common/score_mod.cuh); kDropout (implies kExtras): dropout too. Dropout is a
 // variant of its own: its Philox rounds beside the in-flight accumulators made ptxas serialise the wgmmas
 // of the whole kernel (CUDA 13.0, C7511), softcap and ALiBi alone do not.
@@ -246,25 +269,14 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   mbarrier_wait(bar_q_full, 0);
 
   if constexpr (kPipelined) {
-    // Operand descriptors: a tile's base descriptor, formed per key block (opaque_u64: otherwise ptxas
-    // keeps every k-step's 64-bit descriptor of every buffer live across the loop), plus the k-step's byte
-    // offset. S = Q Kᵀ k-step t covers head-dim columns 16t .. 16t + 15: region t / 4, 32 bytes per step
-    // inside it. O += P V k-step t covers keys 16t .. 16t + 15; V is MN-major, its 64-column regions
-    // kBlockN rows apart.
-    auto qk_step_offset = [](int rows, int t) { return static_cast<uint32_t>((t / 4) * rows * 128 + (t % 4) * 32); };
+    // Operand descriptors: a tile's base descriptor, formed per key block (opaque_u64, as in issue_qk_gemm),
+    // plus the k-step's byte offset. O += P V k-step t covers keys 16t .. 16t + 15; V is MN-major, its
+    // 64-column regions kBlockN rows apart.
     // S = Q K_iᵀ of the i-th visited block into acc_s: issued and committed, not waited for.
     auto issue_scores = [&](int i, float (&acc_s)[1][kNTilesS][4]) {
       const int stage = i % kStages;
-      const uint64_t q_desc = opaque_u64(swizzle128_descriptor(smem_q + group * 64 * 128, 16));
-      const uint64_t k_desc = opaque_u64(swizzle128_descriptor(smem_k(stage), 16));
-      mbarrier_wait(bar_k_full(stage), (i / kStages) & 1);
-      wgmma_fence();
-#pragma unroll
-      for (int t = 0; t < kHeadDim / 16; ++t) {
-        Mma::template ss<0>(acc_s[0], descriptor_plus(q_desc, qk_step_offset(kBlockM, t)),
-                            descriptor_plus(k_desc, qk_step_offset(kBlockN, t)), t);
-      }
-      wgmma_commit();
+      issue_qk_gemm<Element, kBlockM, kBlockN, kHeadDim>(acc_s[0], smem_q + group * 64 * 128, smem_k(stage),
+                                                         bar_k_full(stage), (i / kStages) & 1);
     };
     // O += P V_i: issued and committed, not waited for.
     auto issue_pv = [&](int i, const uint32_t (&p_frag)[1][kBlockN / 16][4]) {

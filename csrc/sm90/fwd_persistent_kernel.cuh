@@ -181,9 +181,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
   const int group = warp / 4 - 1;  // consumer warpgroup: rows 64 * group .. + 63 of the tile
   const int warp_first_row = 64 * group + 16 * (warp % 4);
   const int thread_in_group = threadIdx.x % 128;
-  using Mma = Wgmma<Element, kBlockN>;
   using MmaO = Wgmma<Element, kHeadDim>;
-  auto qk_step_offset = [](int rows, int t) { return static_cast<uint32_t>((t / 4) * rows * 128 + (t % 4) * 32); };
   auto release = [&](uint32_t bar) {
     if (lane == 0) mbarrier_arrive(bar);
   };
@@ -191,16 +189,8 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
   // S = Q Kᵀ of block g of the walk (Q from buffer q_buffer) into acc_s: issued and committed, not waited for.
   auto issue_scores = [&](int g, int q_buffer, float (&acc_s)[1][kNTilesS][4]) {
     const int stage = g % kStages;
-    const uint64_t q_desc = opaque_u64(swizzle128_descriptor(smem_q(q_buffer) + group * 64 * 128, 16));
-    const uint64_t k_desc = opaque_u64(swizzle128_descriptor(smem_k(stage), 16));
-    mbarrier_wait(bar_k_full(stage), (g / kStages) & 1);
-    wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < kHeadDim / 16; ++s) {
-      Mma::template ss<0>(acc_s[0], descriptor_plus(q_desc, qk_step_offset(kBlockM, s)),
-                          descriptor_plus(k_desc, qk_step_offset(kBlockN, s)), s);
-    }
-    wgmma_commit();
+    issue_qk_gemm<Element, kBlockM, kBlockN, kHeadDim>(acc_s[0], smem_q(q_buffer) + group * 64 * 128, smem_k(stage),
+                                                       bar_k_full(stage), (g / kStages) & 1);
   };
   // Output 0 and lse -inf for this warpgroup's rows of a tile whose rows see no key.
   auto write_empty_tile = [&](const FwdWalkTile& t) {
