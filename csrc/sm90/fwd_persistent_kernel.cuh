@@ -7,7 +7,7 @@
 // across tile boundaries, so the next tile's Q and first K / V are in shared memory when its loop starts,
 // and each consumer warpgroup issues the next tile's first S before this tile's epilogue.
 // Measured (H200, bf16, 16k, 16 heads, beside fwd_kernel.cuh in the same runs): window (1024, 0)
-// 0.309-0.313 -> 0.273-0.277 ms, (1024, 1024) 0.543-0.563 -> 0.492-0.499 ms (benchmarks/NOTES.md, stop 21).
+// 0.309-0.313 -> 0.273-0.279 ms, (1024, 1024) 0.543-0.563 -> 0.492-0.510 ms (benchmarks/NOTES.md, stop 21).
 //
 // Roles (FlashAttention-3's warp specialisation): warpgroup 0 is the producer; one of its threads issues
 // every TMA load, the warpgroup gives its registers to the consumers (setmaxnreg: 24 per thread, the two
