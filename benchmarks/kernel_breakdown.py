@@ -1,10 +1,13 @@
 """Where a backward's time goes: per-kernel GPU time (torch.profiler) of flash_ext's backward, and
 of SDPA's FlashAttention-2 backend beside it, at a few shapes of the benchmarks.
 
-    python benchmarks/kernel_breakdown.py [--cases window,causal16k,plain8k] [--iters 10]
+    python benchmarks/kernel_breakdown.py [--cases window,causal16k,plain8k] [--iters 10] [--timeline]
 
 Each case runs the backward --iters times after a warm-up; the table lists every kernel's mean
-time per backward (microseconds) and its share of the sum. bf16, head_dim 128, 16 heads.
+time per backward (microseconds) and its share of the sum. bf16, head_dim 128, 16 heads. Kernels that
+overlap (the dQ conversion starts during the dK/dV kernel's last wave: common/finished_walks.cuh) count
+in full, so the sum can exceed the backward's time; --timeline prints, for the last backward, each
+kernel's start and end relative to the first kernel's start (where they overlap, and the span).
 """
 import argparse
 from collections import defaultdict
@@ -27,7 +30,7 @@ CASES = {
 }
 
 
-def kernel_times(backward, iters):
+def kernel_times(backward, iters, timeline=False):
     for _ in range(3):
         backward()
     torch.cuda.synchronize()
@@ -36,9 +39,18 @@ def kernel_times(backward, iters):
             backward()
         torch.cuda.synchronize()
     totals = defaultdict(float)
+    kernels = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             totals[event.name] += event.device_time / iters
+            kernels.append((event.time_range.start, event.time_range.end, event.name))
+    if timeline:
+        kernels.sort()
+        last = kernels[-len(kernels) // iters:]  # the last backward's kernels (the same count in each)
+        origin = last[0][0]
+        print(f"  timeline of the last backward (us from its first kernel's start; span {last[-1][1] - origin:.1f}):")
+        for start, end, name in last:
+            print(f"    {start - origin:9.1f} .. {end - origin:9.1f}  {name[:100]}")
     return totals
 
 
@@ -53,6 +65,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--timeline", action="store_true")
     args = parser.parse_args()
     for case in args.cases.split(","):
         batch, seqlen, kwargs, sdpa_causal = CASES[case]
@@ -61,7 +74,8 @@ def main():
         out = flash_ext.attention(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         report(f"flash_ext {case} {kwargs}",
-               kernel_times(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), args.iters))
+               kernel_times(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), args.iters,
+                            args.timeline))
         if sdpa_causal is not None:
             qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):

@@ -714,7 +714,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     const int64_t query_rows = varlen.is_varlen() ? q.size(0) : q.size(0) * q.size(1);
     const int64_t sequences = varlen.is_varlen() ? varlen.cu_seqlens_q->size(0) - 1 : q.size(0);
     dq_accum_rows = DqAccumLayout::rows_for(query_rows, sequences);
-    dq_accum = at::empty({q.size(-2), dq_accum_rows, q.size(-1)}, q.options().dtype(at::kFloat));
+    // Followed by the sm90 dK/dV kernel's per-(batch, kv head) counters of finished CTAs (params.h,
+    // dkdv_finished), 16-byte aligned, so that one memset zeroes both.
+    const int64_t accum_floats = q.size(-2) * dq_accum_rows * q.size(-1);
+    const int64_t counter_ints = (sequences * k.size(-2) + 3) / 4 * 4;
+    dq_accum = at::empty({accum_floats + counter_ints}, q.options().dtype(at::kFloat));
     row_stats = at::empty({2, q.size(-2), dq_accum_rows}, q.options().dtype(at::kFloat));
   }
 
@@ -729,6 +733,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
   if (!deterministic) {
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_accum_rows = dq_accum_rows;
+    p.dkdv_finished = reinterpret_cast<int*>(p.dq_accum + q.size(-2) * dq_accum_rows * q.size(-1));
     p.row_stats = row_stats.data_ptr<float>();
   }
   // Scratch for the dK/dV kernel's split tail walks (params.h, TailSplit), where a split may happen (plain

@@ -12,7 +12,7 @@ import torch
 import flash_ext
 from flash_ext.reference import attention_ref
 from make_inputs import make_qkv, make_varlen_qkv
-from tolerance import FWD_FACTOR, assert_within_tolerance, check_gradients
+from tolerance import FWD_FACTOR, assert_within_tolerance, check_gradients, check_varlen_gradients
 
 pytestmark = [
     pytest.mark.cuda,
@@ -244,6 +244,29 @@ def test_split_tail_walks_are_taken(monkeypatch):
         kernels[causal] = [event.key for event in prof.key_averages()]
     assert any("convert_dkv" in name for name in kernels[False]), f"no split: {kernels[False]}"
     assert not any("convert_dkv" in name for name in kernels[True]), f"causal was split: {kernels[True]}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("features", [{"causal": False}, {"causal": True}, {"causal": False, "window_size": (300, 0)}],
+                         ids=["full", "causal", "window"])
+def test_dq_conversion_overlapping_the_dkdv_kernel(features, head_dim):
+    """After the sm90 dK/dV kernel the dQ conversion starts on the SMs its last wave leaves idle and converts
+    a (batch, head)'s rows once all CTAs of that (batch, kv head) have counted themselves
+    (common/finished_walks.cuh): 3 x 8 kv heads x 8-30 key blocks are 2-6 waves of CTAs, with GQA and
+    seqlen_q != seqlen_k; twice in a row, since the counters must start from zero in every call."""
+    q, k, v = make_qkv(3, 1000, 1900, 16, 8, head_dim, torch.bfloat16, device="cuda")
+    for _ in range(2):
+        check_gradients(q, k, v, **features)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_dq_conversion_overlap_with_variable_lengths(head_dim):
+    """The same handshake in a variable-length batch: each sequence waits for its own CTAs, counted from its
+    key length (none for the sequence without keys, 14 or 27 for the longest, one for the shortest)."""
+    lengths_q, lengths_k = [700, 5, 0, 1500, 300], [900, 0, 40, 1700, 1]
+    q, k, v, cu_q, cu_k = make_varlen_qkv(lengths_q, lengths_k, 16, 8, head_dim, torch.bfloat16, device="cuda")
+    for causal in (False, True):
+        check_varlen_gradients(q, k, v, cu_q, cu_k, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

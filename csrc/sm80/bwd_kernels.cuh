@@ -23,6 +23,7 @@
 #include "../common/band_mask.cuh"
 #include "../common/dq_accum_layout.h"
 #include "../common/dropout_bits.cuh"
+#include "../common/finished_walks.cuh"
 #include "../common/philox.h"
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
@@ -551,56 +552,82 @@ __global__ void __launch_bounds__(Tile::kThreads)
   }
 }
 
-// dq = softmax_scale · dq_accum, rounded to the input dtype. A warp per (head, group of 8 accumulator
-// rows, pair of 16-column tiles): the accumulator is read in memory order, each load instruction one whole
+// dq = softmax_scale · dq_accum, rounded to the input dtype. A warp per (row group of 8 accumulator rows,
+// head, pair of 16-column tiles): the accumulator is read in memory order, each load instruction one whole
 // 512-byte tile (lane l: row l / 4, float4 l % 4 of it), and the warp's 1 KB is contiguous. (One thread per
 // tile row, the warps' lanes 512 bytes apart: 64.3 us at hd128, 16k x 16 heads on the H200, 3.1 TB/s.)
 // Float4 q of a row holds columns 2q, 2q + 1 (x, y) and 8 + 2q, 8 + 2q + 1 (z, w) (DqAccumLayout); two
 // shuffles within each quad give lane q of it columns 4q .. 4q + 3, so each store instruction writes 8 rows
-// x 32 contiguous bytes. Row groups past a sequence's end (padding between sequences) are read, not stored.
+// x 32 contiguous bytes.
+// Warp order: dense, batch, then head, then the sequence's row groups (row_groups per sequence): the order
+// in which the dK/dV kernel finishes them, for the overlap of finished_walks.cuh; variable-length, head, then
+// all row_groups of the accumulator (padding groups between sequences are read, not stored).
+// wait.keys_per_cta > 0: launched to overlap the sm90 dK/dV kernel, each warp first waits for its
+// sequence's (batch, kv head) CTAs (params.dkdv_finished).
+struct DkDvWait {
+  int keys_per_cta = 0;        // the dK/dV kernel's keys per CTA; 0: it has finished (no wait)
+  int key_blocks_launched = 0;  // its grid's key blocks (gridDim.x)
+};
+
 template <int kHeadDim, typename Element>
 __global__ void __launch_bounds__(256)
-    attention_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params, const int64_t num_row_groups) {
+    attention_bwd_convert_dq_kernel(const __grid_constant__ BwdParams params, const int64_t row_groups,
+                                    const DkDvWait wait) {
   static_assert(kHeadDim % (2 * DqAccumLayout::kTileCols) == 0, "whole pairs of tiles");
   constexpr int kTilePairs = kHeadDim / (2 * DqAccumLayout::kTileCols);
   const int64_t warp_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (warp_id >= params.heads_q * num_row_groups * kTilePairs) return;  // whole warps
   const int lane = threadIdx.x % 32;
   const int pair = warp_id % kTilePairs;
-  const int64_t group = warp_id / kTilePairs % num_row_groups;
-  const int head = warp_id / kTilePairs / num_row_groups;
-
-  // The sequence whose accumulator rows hold this group: the last b with first_row(b) <= 8 group
-  // (sequences are 8-aligned there, DqAccumLayout::first_row).
-  auto sequence_begin = [&](int b) -> int64_t {
-    return params.is_varlen() ? params.cu_seqlens_q[b] : int64_t{b} * params.seqlen_q;
-  };
-  const int64_t accum_row0 = group * DqAccumLayout::kTileRows;
-  int lo = 0, hi = params.batch;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (DqAccumLayout::first_row(sequence_begin(mid), mid) <= accum_row0) {
-      lo = mid;
-    } else {
-      hi = mid;
+  const int64_t unit = warp_id / kTilePairs;
+  if (unit >= params.heads_q * row_groups * (params.is_varlen() ? 1 : params.batch)) return;  // whole warps
+  const int64_t group = unit % row_groups;
+  int sequence, head;
+  int64_t begin, length, accum_row0;
+  if (params.is_varlen()) {
+    head = static_cast<int>(unit / row_groups);
+    accum_row0 = group * DqAccumLayout::kTileRows;
+    // The sequence whose accumulator rows hold this group: the last b with first_row(b) <= accum_row0
+    // (sequences are 8-aligned there, DqAccumLayout::first_row).
+    int lo = 0, hi = params.batch;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (DqAccumLayout::first_row(params.cu_seqlens_q[mid], mid) <= accum_row0) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
     }
+    sequence = lo;
+    begin = params.cu_seqlens_q[sequence];
+    length = params.cu_seqlens_q[sequence + 1] - begin;
+    accum_row0 -= DqAccumLayout::first_row(begin, sequence);  // within the sequence, from here on
+  } else {
+    head = static_cast<int>(unit / row_groups % params.heads_q);
+    sequence = static_cast<int>(unit / row_groups / params.heads_q);
+    begin = int64_t{sequence} * params.seqlen_q;
+    length = params.seqlen_q;
+    accum_row0 = group * DqAccumLayout::kTileRows;
   }
-  const int64_t begin = sequence_begin(lo);
-  const int64_t length = params.is_varlen() ? params.cu_seqlens_q[lo + 1] - begin : params.seqlen_q;
-  const int64_t row = accum_row0 - DqAccumLayout::first_row(begin, lo) + lane / 4;  // within the sequence
+  const int64_t row = accum_row0 + lane / 4;  // within the sequence
   const bool stored = row < length;
   // A variable-length batch is one packed entry: its rows are numbered through all sequences.
   Element* dq = static_cast<Element*>(params.dq) +
                 (params.is_varlen() ? (begin + row) * params.dq_strides.row
-                                    : lo * params.dq_strides.batch + row * params.dq_strides.row) +
+                                    : sequence * params.dq_strides.batch + row * params.dq_strides.row) +
                 head * params.dq_strides.head;
+  if (wait.keys_per_cta > 0) {
+    const int kv_head = head / params.heads_per_kv();
+    wait_for_finished_ctas(&params.dkdv_finished[int64_t{sequence} * params.heads_kv + kv_head],
+                           counted_ctas(params.key_span(sequence).length, wait.keys_per_cta, wait.key_blocks_launched));
+  }
 
   const DqAccumLayout layout{params.dq_accum_rows, kHeadDim};
   const int first_col = 2 * pair * DqAccumLayout::kTileCols;
-  const float4* src = reinterpret_cast<const float4*>(params.dq_accum + layout.tile_offset(accum_row0, head, first_col));
+  const float4* src = reinterpret_cast<const float4*>(
+      params.dq_accum + layout.tile_offset(DqAccumLayout::first_row(begin, sequence) + accum_row0, head, first_col));
   float4 f[2];
 #pragma unroll
-  for (int t = 0; t < 2; ++t) f[t] = src[t * 32 + lane];  // tiles are 32 float4 long and adjacent
+  for (int t = 0; t < 2; ++t) f[t] = __ldcg(&src[t * 32 + lane]);  // tiles are 32 float4 long and adjacent
 
   // Quad lane q holds a = columns 2q, 2q + 1 and b = 8 + 2q, 8 + 2q + 1 of its row; it is to store
   // 4q .. 4q + 3, i.e. lanes 0, 1 the a's of lanes (0, 1), (2, 3), lanes 2, 3 the b's of (0, 1), (2, 3).

@@ -88,9 +88,12 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   // 1. The fp32 dQ accumulator zeroed, all of it (padding rows too): a memset runs at the copy bandwidth.
   //    D = rowsum(dO ∘ O) (and row_stats): preprocess_lanes_per_row threads per (query row, head).
   if (params.dq_accum != nullptr) {
-    throw_on_cuda_error(cudaMemsetAsync(params.dq_accum, 0,
-                                        sizeof(float) * params.heads_q * params.dq_accum_rows * kHeadDim, stream),
-                        "zeroing the dQ accumulator");
+    // The sm90 kernel's counters of finished CTAs (params.dkdv_finished) follow the floats: zeroed too.
+    const size_t counter_bytes = params.dkdv_finished != nullptr ? sizeof(int) * params.batch * params.heads_kv : 0;
+    throw_on_cuda_error(
+        cudaMemsetAsync(params.dq_accum, 0,
+                        sizeof(float) * params.heads_q * params.dq_accum_rows * kHeadDim + counter_bytes, stream),
+        "zeroing the dQ accumulator");
   }
   const int64_t num_threads = num_rows * params.heads_q * preprocess_lanes_per_row(kHeadDim);
   attention_bwd_preprocess_kernel<kHeadDim, Element>
@@ -146,12 +149,32 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
 
   // 3. dQ: rounded from the atomic sums, or computed by the deterministic dQ kernel.
   if (params.dq_accum != nullptr) {
-    // A warp per (head, group of 8 accumulator rows, two 16-column tiles); the groups before the overhang.
-    const int64_t num_row_groups = (params.dq_accum_rows - DqAccumLayout::kOverhangRows) / DqAccumLayout::kTileRows;
-    const int64_t num_warps = params.heads_q * num_row_groups * (kHeadDim / (2 * DqAccumLayout::kTileCols));
-    attention_bwd_convert_dq_kernel<kHeadDim, Element>
-        <<<static_cast<unsigned>((num_warps + 7) / 8), 256, 0, stream>>>(params, num_row_groups);
-    throw_on_cuda_error(cudaGetLastError(), "launching the dQ conversion kernel");
+    // A warp per (group of 8 accumulator rows, head, two 16-column tiles): dense, each sequence's groups;
+    // variable-length, the groups of the whole accumulator before the overhang.
+    const int64_t row_groups =
+        params.is_varlen() ? (params.dq_accum_rows - DqAccumLayout::kOverhangRows) / DqAccumLayout::kTileRows
+                           : (params.seqlen_q + DqAccumLayout::kTileRows - 1) / DqAccumLayout::kTileRows;
+    const int64_t num_warps = (params.is_varlen() ? 1 : params.batch) * params.heads_q * row_groups *
+                              (kHeadDim / (2 * DqAccumLayout::kTileCols));
+    // After the sm90 kernel: launched as its programmatic dependent, to run on the SMs its last wave leaves
+    // idle, each warp waiting for its own sequence's CTAs (common/finished_walks.cuh).
+    DkDvWait wait;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>((num_warps + 7) / 8));
+    config.blockDim = dim3(256);
+    config.stream = stream;
+    cudaLaunchAttribute overlap;
+    overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap.val.programmaticStreamSerializationAllowed = 1;
+    if (dkdv_done && params.dkdv_finished != nullptr) {
+      wait.keys_per_cta = sm90::bwd_keys_per_cta(kHeadDim);
+      wait.key_blocks_launched = (params.seqlen_k + wait.keys_per_cta - 1) / wait.keys_per_cta;
+      config.attrs = &overlap;
+      config.numAttrs = 1;
+    }
+    throw_on_cuda_error(
+        cudaLaunchKernelEx(&config, attention_bwd_convert_dq_kernel<kHeadDim, Element>, params, row_groups, wait),
+        "launching the dQ conversion kernel");
   } else {
     const auto dq_kernel =
         extras ? attention_bwd_dq_kernel<DqTile, Element, true> : attention_bwd_dq_kernel<DqTile, Element, false>;

@@ -26,6 +26,7 @@
 #include "../common/band_mask.cuh"
 #include "../common/dq_accum_layout.h"
 #include "../common/dropout_bits.cuh"
+#include "../common/finished_walks.cuh"
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
 #include "../common/warp_gemm.cuh"
@@ -127,6 +128,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   auto bar_q_full = [&](int stage) { return bar_kv_full + 8 * (1 + stage); };
   int* release_count = reinterpret_cast<int*>(smem + Tile::kCounterOffset);
 
+  // The dQ conversion may start on SMs this grid leaves idle (common/finished_walks.cuh).
+  allow_dependent_launch();
   const int key_block = blockIdx.x;
   const int kv_head = blockIdx.y;
   const int batch = blockIdx.z;
@@ -491,6 +494,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
           pack_float2<Element>(acc_dk[j][2 * half] * params.softmax_scale, acc_dk[j][2 * half + 1] * params.softmax_scale);
     }
   }
+  // Last: counted for the dQ conversion of this (batch, kv head)'s rows (finished_walks.cuh).
+  if (params.dkdv_finished != nullptr) count_finished_cta(&params.dkdv_finished[batch * params.heads_kv + kv_head]);
 #endif  // sm_90a
 }
 

@@ -1,0 +1,55 @@
+// The handshake that lets the dQ conversion overlap the sm90 dK/dV kernel.
+//
+// Why: the dK/dV kernel runs one CTA per SM, and its last wave is usually partial (a window (1024, 0) at 16k
+// x 16 heads has 2048 CTAs on 132 SMs: 15.5 waves, so half the SMs idle for the last CTA's ~57 us), while
+// the conversion (dq_accum -> dq, 201 MB at hd128) took ~51 us after it. A sequence's dQ rows of one head
+// are final once every CTA of that (batch, kv head) has added its dQ; the CTAs run key block fastest, then
+// kv head, then batch, so all but the last few heads are final well before the last wave ends.
+//
+// How: each dK/dV CTA of (batch, kv head) adds 1 to BwdParams::dkdv_finished[batch * heads_kv + kv_head]
+// with release semantics after all its stores (its dQ atomics, dK, dV); the conversion is launched as a
+// programmatic dependent (PDL) of the dK/dV kernel, so its CTAs start on the SMs that the last wave leaves
+// idle, and each warp waits (acquire) until its sequence's counter holds that sequence's CTA count. PDL lets
+// the dependent start only once every dK/dV CTA has started (griddepcontrol.launch_dependents in each), so
+// the CTAs it waits for are all resident or done: the wait cannot deadlock. Without PDL (an older driver,
+// or the launch attribute ignored) the conversion starts after the kernel and finds the counts complete.
+#pragma once
+
+#include <cstdint>
+
+namespace flash_ext {
+
+// After everything this CTA wrote: counts it as finished (thread 0, after a CTA barrier; the release
+// orders the whole CTA's earlier writes, which the barrier made happen before it, before the increment).
+__device__ __forceinline__ void count_finished_cta(int* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+}
+
+// Waits (every lane of the calling warp) until *counter >= expected, with acquire semantics so that this
+// thread's later loads see what the counted CTAs wrote. A counter that never gets there would be a bug in
+// the launcher's arithmetic; rather than hang the process, the wait traps after ~10 seconds.
+__device__ __forceinline__ void wait_for_finished_ctas(const int* counter, int expected) {
+  uint64_t start = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(counter) : "memory");
+    if (value >= expected) return;
+    __nanosleep(500);
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > 10'000'000'000ull) __trap();
+  }
+}
+
+// The dK/dV CTAs of one (batch, kv head) that count themselves: those whose first key lies in the
+// sequence, i.e. ceil(len_k / keys_per_cta), at most the launched grid's key blocks (clamped, so that
+// lengths the grid does not cover cannot make the wait endless).
+__device__ __forceinline__ int counted_ctas(int64_t len_k, int keys_per_cta, int key_blocks_launched) {
+  if (len_k <= 0) return 0;
+  const int64_t blocks = (len_k + keys_per_cta - 1) / keys_per_cta;
+  return blocks < key_blocks_launched ? static_cast<int>(blocks) : key_blocks_launched;
+}
+
+}  // namespace flash_ext
