@@ -7,7 +7,8 @@ Each case runs the backward --iters times after a warm-up; the table lists every
 time per backward (microseconds) and its share of the sum. bf16, head_dim 128, 16 heads. Kernels that
 overlap (the dQ conversion starts during the dK/dV kernel's last wave: common/finished_walks.cuh) count
 in full, so the sum can exceed the backward's time; --timeline prints, for the last backward, each
-kernel's start and end relative to the first kernel's start (where they overlap, and the span).
+kernel's start and end relative to the first kernel's start (where they overlap), and the median span
+per backward (first kernel's start to last kernel's end: the GPU time of a backward).
 """
 import argparse
 from collections import defaultdict
@@ -46,7 +47,11 @@ def kernel_times(backward, iters, timeline=False):
             kernels.append((event.time_range.start, event.time_range.end, event.name))
     if timeline:
         kernels.sort()
-        last = kernels[-len(kernels) // iters:]  # the last backward's kernels (the same count in each)
+        per_call = len(kernels) // iters  # every backward launches the same kernels
+        spans = sorted(kernels[c + per_call - 1][1] - kernels[c][0] for c in range(0, len(kernels), per_call))
+        print(f"  span per backward (first kernel's start to last kernel's end): median {spans[len(spans) // 2]:.1f} us,"
+              f" min {spans[0]:.1f}, max {spans[-1]:.1f} ({iters} backwards)")
+        last = kernels[-per_call:]
         origin = last[0][0]
         print(f"  timeline of the last backward (us from its first kernel's start; span {last[-1][1] - origin:.1f}):")
         for start, end, name in last:

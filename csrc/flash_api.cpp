@@ -715,9 +715,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     const int64_t sequences = varlen.is_varlen() ? varlen.cu_seqlens_q->size(0) - 1 : q.size(0);
     dq_accum_rows = DqAccumLayout::rows_for(query_rows, sequences);
     // Followed by the sm90 dK/dV kernel's per-(batch, kv head) counters of finished CTAs (params.h,
-    // dkdv_finished), 16-byte aligned, so that one memset zeroes both.
+    // dkdv_finished; one per 128-byte line, kFinishedCounterStride), so that one memset zeroes both.
     const int64_t accum_floats = q.size(-2) * dq_accum_rows * q.size(-1);
-    const int64_t counter_ints = (sequences * k.size(-2) + 3) / 4 * 4;
+    const int64_t counter_ints = sequences * k.size(-2) * kFinishedCounterStride;
     dq_accum = at::empty({accum_floats + counter_ints}, q.options().dtype(at::kFloat));
     row_stats = at::empty({2, q.size(-2), dq_accum_rows}, q.options().dtype(at::kFloat));
   }

@@ -161,6 +161,10 @@ struct FwdParams {
   }
 };
 
+// BwdParams::dkdv_finished holds one counter per 128-byte line: thousands of waiting warps poll them, and
+// counters sharing a line would share one L2 slice.
+constexpr int kFinishedCounterStride = 32;
+
 struct BwdParams : FwdParams {
   const void* dout = nullptr;
   void* dq = nullptr;
@@ -179,10 +183,11 @@ struct BwdParams : FwdParams {
   // copies a query block's values in one 16-byte-aligned bulk copy); written by the preprocess kernel.
   // Padding rows are left unwritten (the kernel masks them).
   float* row_stats = nullptr;
-  // CUDA, deterministic = false: per (batch, kv head), the sm90 dK/dV kernel's finished CTAs (batch *
-  // heads_kv ints after dq_accum's floats, zeroed with them). Where the sm90 kernel ran, the dQ conversion
-  // is launched to overlap its last wave and converts a sequence's rows once all of that sequence's CTAs
-  // are counted here (common/finished_walks.cuh); after the sm80 kernel it simply runs after it.
+  // CUDA, deterministic = false: per (batch, kv head), the sm90 dK/dV kernel's finished CTAs (after
+  // dq_accum's floats, zeroed with them; one int per 128-byte line, kFinishedCounterStride). Where the
+  // sm90 kernel ran, the dQ conversion is launched to overlap its last wave and converts a sequence's rows
+  // once all of that sequence's CTAs are counted here (common/finished_walks.cuh); after the sm80 kernel
+  // it simply runs after it.
   int* dkdv_finished = nullptr;
   // CUDA, deterministic = false, plain attention over every key (no causal mask, window, varlen): scratch for
   // the dK/dV kernel's tail walks, run in pieces whose fp32 dK and dV sums meet here (TailSplit,

@@ -89,7 +89,8 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   //    D = rowsum(dO ∘ O) (and row_stats): preprocess_lanes_per_row threads per (query row, head).
   if (params.dq_accum != nullptr) {
     // The sm90 kernel's counters of finished CTAs (params.dkdv_finished) follow the floats: zeroed too.
-    const size_t counter_bytes = params.dkdv_finished != nullptr ? sizeof(int) * params.batch * params.heads_kv : 0;
+    const size_t counter_bytes =
+        params.dkdv_finished != nullptr ? sizeof(int) * kFinishedCounterStride * params.batch * params.heads_kv : 0;
     throw_on_cuda_error(
         cudaMemsetAsync(params.dq_accum, 0,
                         sizeof(float) * params.heads_q * params.dq_accum_rows * kHeadDim + counter_bytes, stream),
