@@ -1,14 +1,15 @@
 """Where a backward's time goes: per-kernel GPU time (torch.profiler) of flash_ext's backward, and
 of SDPA's FlashAttention-2 backend beside it, at a few shapes of the benchmarks.
 
-    python benchmarks/kernel_breakdown.py [--cases window,causal16k,plain8k] [--iters 10] [--timeline]
+    python benchmarks/kernel_breakdown.py [--cases window,causal16k,plain8k] [--iters 10] [--timeline] [--forward]
 
 Each case runs the backward --iters times after a warm-up; the table lists every kernel's mean
 time per backward (microseconds) and its share of the sum. bf16, head_dim 128, 16 heads. Kernels that
 overlap (the dQ conversion starts during the dK/dV kernel's last wave: common/finished_walks.cuh) count
 in full, so the sum can exceed the backward's time; --timeline prints, for the last backward, each
 kernel's start and end relative to the first kernel's start (where they overlap), and the median span
-per backward (first kernel's start to last kernel's end: the GPU time of a backward).
+per backward (first kernel's start to last kernel's end: the GPU time of a backward). --forward: the same
+for flash_ext's forward (no SDPA), e.g. to compare two builds' kernels with less noise than do_bench's.
 """
 import argparse
 from collections import defaultdict
@@ -71,11 +72,18 @@ def main():
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--timeline", action="store_true")
+    parser.add_argument("--forward", action="store_true")
     args = parser.parse_args()
     for case in args.cases.split(","):
         batch, seqlen, kwargs, sdpa_causal = CASES[case]
         q, k, v = (torch.randn(batch, seqlen, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
+        if args.forward:
+            with torch.no_grad():
+                report(f"flash_ext forward {case} {kwargs}",
+                       kernel_times(lambda: flash_ext.attention(q, k, v, **kwargs), args.iters,  # noqa: B023
+                                    args.timeline))
+            continue
         out = flash_ext.attention(q, k, v, **kwargs)
         dout = torch.randn_like(out)
         report(f"flash_ext {case} {kwargs}",
