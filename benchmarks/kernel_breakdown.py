@@ -48,10 +48,10 @@ def kernel_times(backward, iters, timeline=False):
             kernels.append((event.time_range.start, event.time_range.end, event.name))
     if timeline:
         kernels.sort()
-        per_call = len(kernels) // iters  # every backward launches the same kernels
+        per_call = len(kernels) // iters  # every call launches the same kernels
         spans = sorted(kernels[c + per_call - 1][1] - kernels[c][0] for c in range(0, len(kernels), per_call))
-        print(f"  span per backward (first kernel's start to last kernel's end): median {spans[len(spans) // 2]:.1f} us,"
-              f" min {spans[0]:.1f}, max {spans[-1]:.1f} ({iters} backwards)")
+        print(f"  span per call (first kernel's start to last kernel's end): median {spans[len(spans) // 2]:.1f} us,"
+              f" min {spans[0]:.1f}, max {spans[-1]:.1f} ({iters} calls)")
         last = kernels[-per_call:]
         origin = last[0][0]
         print(f"  timeline of the last backward (us from its first kernel's start; span {last[-1][1] - origin:.1f}):")

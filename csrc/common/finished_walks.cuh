@@ -1,18 +1,21 @@
 // The handshake that lets the dQ conversion overlap the sm90 dK/dV kernel.
 //
-// Why: the dK/dV kernel runs one CTA per SM, and its last wave is usually partial (a window (1024, 0) at 16k
-// x 16 heads has 2048 CTAs on 132 SMs: 15.5 waves, so half the SMs idle for the last CTA's ~57 us), while
-// the conversion (dq_accum -> dq, 201 MB at hd128) took ~51 us after it. A sequence's dQ rows of one head
+// Why: the dK/dV kernel runs one CTA per SM, and its last wave is often partial, while the conversion
+// (dq_accum -> dq, 201 MB at hd128, 16k x 16 heads) took ~51 us after it. A sequence's dQ rows of one head
 // are final once every CTA of that (batch, kv head) has added its dQ; the CTAs run key block fastest, then
-// kv head, then batch, so all but the last few heads are final well before the last wave ends.
+// kv head, then batch, so all but the last few heads are final well before the last wave ends. Measured
+// (H200, GPU time per backward, benchmarks/NOTES.md stop 22): window (1024, 1024) -1.2%; window (1024, 0)
+// nothing (its last key blocks have short walks, so its last wave leaves no SM idle); full 8 x 2k -2.3% in
+// one device call, nothing in another.
 //
 // How: each dK/dV CTA of (batch, kv head) adds 1 to BwdParams::dkdv_finished[kFinishedCounterStride *
-// (batch * heads_kv + kv_head)] with release semantics after all its stores (its dQ atomics, dK, dV); the conversion is launched as a
-// programmatic dependent (PDL) of the dK/dV kernel, so its CTAs start on the SMs that the last wave leaves
-// idle, and each warp waits (acquire) until its sequence's counter holds that sequence's CTA count. PDL lets
-// the dependent start only once every dK/dV CTA has started (griddepcontrol.launch_dependents in each), so
-// the CTAs it waits for are all resident or done: the wait cannot deadlock. Without PDL (an older driver,
-// or the launch attribute ignored) the conversion starts after the kernel and finds the counts complete.
+// (batch * heads_kv + kv_head)] with release semantics after all its stores (its dQ atomics, dK, dV); the
+// conversion is launched as a programmatic dependent (PDL) of the dK/dV kernel, so its CTAs start on the
+// SMs that the last wave leaves idle, and each warp waits (acquire) until its sequence's counter holds that
+// sequence's CTA count. PDL lets the dependent start only once every dK/dV CTA has started
+// (griddepcontrol.launch_dependents in each), so the CTAs it waits for are all resident or done: the wait
+// cannot deadlock. Without PDL (an older driver, or the launch attribute ignored) the conversion starts
+// after the kernel and finds the counts complete.
 #pragma once
 
 #include <cstdint>
@@ -28,10 +31,11 @@ __device__ __forceinline__ void count_finished_cta(int* counter) {
 
 // Waits (called by every lane of a warp) until *counter >= expected; then each lane has read the counter
 // with acquire semantics, so that its later loads see what the counted CTAs wrote. Lane 0 polls, with
-// exponential backoff from 0.5 to 8 us: at a fixed 0.5 us the polling slowed a causal 16k backward by
-// 5% (H200; the waits there are long), presumably by loading the counters' L2 slice under the dK/dV
-// kernel's traffic. A counter that never gets there would be a bug in the launcher's arithmetic; rather
-// than hang the process, the wait traps after ~10 seconds.
+// exponential backoff from 0.5 to 8 us, so that thousands of waiting warps do not keep one L2 slice busy
+// under the dK/dV kernel's traffic (a first version, every warp polling every 0.5 us, measured a causal 16k
+// backward 5% slower in one device call; causal's backward later proved bimodal between repeats of one
+// build, so that may have been noise). A counter that never gets there would be a bug in the launcher's
+// arithmetic; rather than hang the process, the wait traps after ~10 seconds.
 __device__ __forceinline__ void wait_for_finished_ctas(const int* counter, int expected) {
   auto load_acquire = [&] {
     int value;

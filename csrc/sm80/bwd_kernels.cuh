@@ -617,7 +617,8 @@ __global__ void __launch_bounds__(256)
                 head * params.dq_strides.head;
   if (wait.keys_per_cta > 0) {
     const int kv_head = head / params.heads_per_kv();
-    wait_for_finished_ctas(&params.dkdv_finished[kFinishedCounterStride * (int64_t{sequence} * params.heads_kv + kv_head)],
+    const int64_t counter = kFinishedCounterStride * (int64_t{sequence} * params.heads_kv + kv_head);
+    wait_for_finished_ctas(&params.dkdv_finished[counter],
                            counted_ctas(params.key_span(sequence).length, wait.keys_per_cta, wait.key_blocks_launched));
   }
 

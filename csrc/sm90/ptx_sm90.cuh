@@ -62,7 +62,9 @@ __device__ __forceinline__ void claim_registers() {
 
 // This CTA no longer holds back the launch of the next kernel in the stream where that kernel was launched
 // as a programmatic dependent (it starts once every CTA of this grid has done this or exited).
-__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void allow_dependent_launch() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
 
 // ---- TMA ----
 
