@@ -54,7 +54,7 @@ def kernel_times(backward, iters, timeline=False):
               f" min {spans[0]:.1f}, max {spans[-1]:.1f} ({iters} calls)")
         last = kernels[-per_call:]
         origin = last[0][0]
-        print(f"  timeline of the last backward (us from its first kernel's start; span {last[-1][1] - origin:.1f}):")
+        print(f"  timeline of the last call (us from its first kernel's start; span {last[-1][1] - origin:.1f}):")
         for start, end, name in last:
             print(f"    {start - origin:9.1f} .. {end - origin:9.1f}  {name[:100]}")
     return totals
