@@ -4,10 +4,13 @@
 # `/.exp/` in .git/info/exclude and `.exp` in the device run's carry). Each is built in place for the
 # local GPU and benchmarked with the same bench_attention.py arguments; with --tests, its CUDA tests run
 # too; with --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
-# table (--features=score_mods: only some of its groups, a comma list, see its --only). One file per
+# table (--features=score_mods: only some of its groups, a comma list, see its --only); with --spans=CASES,
+# benchmarks/kernel_breakdown.py --timeline (the GPU span of each backward, median of 20; ~0.5% spread
+# between repeats, against 1-4% for do_bench) twice over those cases (a comma list), and with
+# --fwd-spans=CASES the same for the forward. One file per
 # version comes back: $OUT/<name>.txt (build status, ptxas summary, test line, tables).
 #
-#   bash scripts/compare_variants.sh [--tests] [--features[=GROUPS]] [-- BENCH ARGS]
+#   bash scripts/compare_variants.sh [--tests] [--features[=GROUPS]] [--spans=CASES] [--fwd-spans=CASES] [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
 # At most 7 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
@@ -21,12 +24,16 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TESTS=0
 FEATURES=0
 FEATURE_GROUPS=varlen,window,score_mods
+SPAN_CASES=
+FWD_SPAN_CASES=
 BENCH_ARGS=(--head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash)
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS=1 ;;
     --features) FEATURES=1 ;;
     --features=*) FEATURES=1; FEATURE_GROUPS=${1#--features=} ;;
+    --spans=*) SPAN_CASES=${1#--spans=} ;;
+    --fwd-spans=*) FWD_SPAN_CASES=${1#--fwd-spans=} ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "compare_variants.sh: unknown argument $1" >&2; exit 64 ;;
   esac
@@ -56,6 +63,17 @@ measure() {  # name dir
     if [ "$FEATURES" = 1 ]; then
       PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/bench_features.py --only "$FEATURE_GROUPS" 2>&1 | grep -vE "^\s*$"
     fi
+    for repeat in 1 2; do
+      # The per-kernel times and the span per call; not the timeline's per-kernel lines.
+      if [ -n "$SPAN_CASES" ]; then
+        PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/kernel_breakdown.py --cases "$SPAN_CASES" --iters 20 --timeline \
+          2>&1 | grep -vE "^\s*$|^\s+-?[0-9.]+ \.\. |timeline of the last call"
+      fi
+      if [ -n "$FWD_SPAN_CASES" ]; then
+        PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/kernel_breakdown.py --forward --cases "$FWD_SPAN_CASES" --iters 20 \
+          --timeline 2>&1 | grep -vE "^\s*$|^\s+-?[0-9.]+ \.\. |timeline of the last call"
+      fi
+    done
   ) 2>&1 | tee -a "$report"
 }
 

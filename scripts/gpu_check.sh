@@ -16,7 +16,8 @@
 #   --profile       after the tests, benchmarks/kernel_breakdown.py (per-kernel time of the backward, ours and
 #                   FA2's: breakdown.txt) and Nsight Compute of our kernels beside FA2's (8k; the cases in
 #                   GPU_CHECK_NCU_CASES, default "bwd:128 fwd:256"; "fwdcap:128": our forward plain and with
-#                   softcap 30, no FA2; GPU_CHECK_NCU_SOURCE=1 adds the SourceCounters section, the SASS lines
+#                   softcap 30, no FA2; "bwdwin:128" / "fwdwin:128": ours at window (1024, 0) and causal, 16k;
+#                   GPU_CHECK_NCU_SOURCE=1 adds the SourceCounters section, the SASS lines
 #                   with the most stall samples: ncu.txt; every case reports each pipe's utilisation)
 #   --features      after the benchmark, benchmarks/bench_features.py (varlen, window, softcap, ALiBi;
 #                   features.json/.txt) and benchmarks/memory_scaling.py (memory.json/.txt)
@@ -244,6 +245,11 @@ EOF
       hd=${ncu_case#*:}
       if [ "$op" = bwd ]; then
         specs+=("attention_bwd_dkdv|--backward --head-dim $hd" "flash_bwd_dq_dk_dv|--backward --head-dim $hd --impl sdpa_flash")
+      elif [ "$op" = bwdwin ]; then  # window (1024, 0) beside causal, 16k (what issue 5's ratio compares)
+        specs+=("attention_bwd_dkdv|--backward --head-dim $hd --seqlen 16384 --window 1024 0"
+                "attention_bwd_dkdv|--backward --head-dim $hd --seqlen 16384 --causal")
+      elif [ "$op" = fwdwin ]; then
+        specs+=("attention_fwd|--head-dim $hd --seqlen 16384 --window 1024 0" "attention_fwd|--head-dim $hd --seqlen 16384 --causal")
       elif [ "$op" = fwdcap ]; then
         specs+=("attention_fwd|--head-dim $hd" "attention_fwd|--head-dim $hd --softcap 30")
       else
