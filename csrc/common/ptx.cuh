@@ -133,10 +133,11 @@ __device__ __forceinline__ uint32_t pack_float2<__half>(float lo, float hi) {
 
 // address[0..3] += x, y, z, w in global memory, without a return value (a reduction in L2).
 // sm90 has a 128-bit vector form (red.global.add.v4.f32): one atomic operation instead of four. Written
-// as PTX: atomicAdd(float4*) compiled to ATOMG (an atomic that returns the old values) in the sm90 dK/dV
-// kernel, though the result is unused (a simple kernel gets REDG), so each one held 4 registers on the
-// scoreboard until L2 answered (ncu of that kernel: long-scoreboard stalls 0.91 per issue at window
-// (1024, 0)). `address` is 16-byte aligned.
+// as PTX: atomicAdd(float4*) compiled to ATOMG (an atomic that returns the old values: 16 bytes per lane
+// back from L2 into 4 registers) in the sm90 dK/dV kernel, though the result is unused (a small test
+// kernel got REDG). As REDG the L2 went from 72% to 50% busy at window (1024, 0) and the sm90 backward
+// got 6-8% faster at head_dim 64 / 128, 6-20% at 256 (H200, benchmarks/NOTES.md stop 23). `address` is
+// 16-byte aligned.
 __device__ __forceinline__ void atomic_add_float4(float* address, float x, float y, float z, float w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(address), "f"(x), "f"(y), "f"(z), "f"(w)
