@@ -3,14 +3,16 @@
 # git worktree under .exp/ (e.g. `git worktree add .exp/dq-before-dk next/bwd-dq-before-dk`, with
 # `/.exp/` in .git/info/exclude and `.exp` in the device run's carry). Each is built in place for the
 # local GPU and benchmarked with the same bench_attention.py arguments; with --tests, its CUDA tests run
-# too; with --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
+# too (with --sanitize also scripts/sanitize.py under compute-sanitizer memcheck and racecheck); with
+# --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
 # table (--features=score_mods: only some of its groups, a comma list, see its --only); with --spans=CASES,
 # benchmarks/kernel_breakdown.py --timeline (the GPU span of each backward, median of 20; ~0.5% spread
 # between repeats, against 1-4% for do_bench) twice over those cases (a comma list), and with
 # --fwd-spans=CASES the same for the forward. One file per
 # version comes back: $OUT/<name>.txt (build status, ptxas summary, test line, tables).
 #
-#   bash scripts/compare_variants.sh [--tests] [--features[=GROUPS]] [--spans=CASES] [--fwd-spans=CASES] [-- BENCH ARGS]
+#   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [--spans=CASES] [--fwd-spans=CASES]
+#                                    [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
 # At most 7 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
@@ -22,6 +24,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TESTS=0
+SANITIZE=0
 FEATURES=0
 FEATURE_GROUPS=varlen,window,score_mods
 SPAN_CASES=
@@ -30,6 +33,7 @@ BENCH_ARGS=(--head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ex
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS=1 ;;
+    --sanitize) SANITIZE=1 ;;
     --features) FEATURES=1 ;;
     --features=*) FEATURES=1; FEATURE_GROUPS=${1#--features=} ;;
     --spans=*) SPAN_CASES=${1#--spans=} ;;
@@ -57,6 +61,13 @@ measure() {  # name dir
     if [ "$TESTS" = 1 ] && { [ -z "${TEST_VARIANTS:-}" ] || [[ ",$TEST_VARIANTS," == *",$name,"* ]]; }; then
       timeout 240 "$PY" -m pytest tests -m cuda -q --maxfail=10 -p no:cacheprovider 2>&1 |
         grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-400 | tail -n 12
+      if [ "$SANITIZE" = 1 ]; then
+        for tool in memcheck racecheck; do
+          PYTHONPATH="$PWD" timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" scripts/sanitize.py \
+            >"/tmp/sanitize_${name}_$tool.log" 2>&1
+          echo "sanitize $tool: rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/sanitize_${name}_$tool.log" | tail -n 1))"
+        done
+      fi
     fi
     PYTHONPATH="$PWD" timeout 300 "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" 2>&1 |
       grep -E "^(op |-{8}|fwd |bwd |fwd_bwd |TFLOP)"
