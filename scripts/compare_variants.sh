@@ -74,16 +74,14 @@ measure() {  # name dir
     if [ "$FEATURES" = 1 ]; then
       PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/bench_features.py --only "$FEATURE_GROUPS" 2>&1 | grep -vE "^\s*$"
     fi
+    # The per-kernel times and the span per call of each case, twice; not the timeline's per-kernel lines.
+    spans() {
+      PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/kernel_breakdown.py "$@" --iters 20 --timeline 2>&1 |
+        grep -vE "^\s*$|^\s+-?[0-9.]+ \.\. |timeline of the last call"
+    }
     for repeat in 1 2; do
-      # The per-kernel times and the span per call; not the timeline's per-kernel lines.
-      if [ -n "$SPAN_CASES" ]; then
-        PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/kernel_breakdown.py --cases "$SPAN_CASES" --iters 20 --timeline \
-          2>&1 | grep -vE "^\s*$|^\s+-?[0-9.]+ \.\. |timeline of the last call"
-      fi
-      if [ -n "$FWD_SPAN_CASES" ]; then
-        PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/kernel_breakdown.py --forward --cases "$FWD_SPAN_CASES" --iters 20 \
-          --timeline 2>&1 | grep -vE "^\s*$|^\s+-?[0-9.]+ \.\. |timeline of the last call"
-      fi
+      [ -n "$SPAN_CASES" ] && spans --cases "$SPAN_CASES"
+      [ -n "$FWD_SPAN_CASES" ] && spans --forward --cases "$FWD_SPAN_CASES"
     done
   ) 2>&1 | tee -a "$report"
 }
