@@ -714,10 +714,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     const int64_t query_rows = varlen.is_varlen() ? q.size(0) : q.size(0) * q.size(1);
     const int64_t sequences = varlen.is_varlen() ? varlen.cu_seqlens_q->size(0) - 1 : q.size(0);
     dq_accum_rows = DqAccumLayout::rows_for(query_rows, sequences);
-    // Followed by the sm90 dK/dV kernel's per-(batch, kv head) counters of finished CTAs (params.h,
-    // dkdv_finished; one per 128-byte line, kFinishedCounterStride), so that one memset zeroes both.
+    // Followed by the sm90 dK/dV kernel's per-(batch, kv head) counters of finished CTAs and its tile
+    // counter (params.h, dkdv_finished and dkdv_tile_counter; one per 128-byte line, kFinishedCounterStride),
+    // so that one memset zeroes them all.
     const int64_t accum_floats = q.size(-2) * dq_accum_rows * q.size(-1);
-    const int64_t counter_ints = sequences * k.size(-2) * kFinishedCounterStride;
+    const int64_t counter_ints = (sequences * k.size(-2) + 1) * kFinishedCounterStride;
     dq_accum = at::empty({accum_floats + counter_ints}, q.options().dtype(at::kFloat));
     row_stats = at::empty({2, q.size(-2), dq_accum_rows}, q.options().dtype(at::kFloat));
   }
@@ -734,6 +735,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_accum_rows = dq_accum_rows;
     p.dkdv_finished = reinterpret_cast<int*>(p.dq_accum + q.size(-2) * dq_accum_rows * q.size(-1));
+    p.dkdv_tile_counter = p.dkdv_finished + int64_t{p.batch} * p.heads_kv * kFinishedCounterStride;
     p.row_stats = row_stats.data_ptr<float>();
   }
   // Scratch for the dK/dV kernel's split tail walks (params.h, TailSplit), where a split may happen (plain

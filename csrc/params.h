@@ -189,6 +189,9 @@ struct BwdParams : FwdParams {
   // once all of that sequence's CTAs are counted here (common/finished_walks.cuh); after the sm80 kernel
   // it simply runs after it.
   int* dkdv_finished = nullptr;
+  // CUDA, deterministic = false: the sm90 dK/dV kernel's tile counter (its persistent CTAs take tiles
+  // gridDim.x, gridDim.x + 1, ... from it); the 128-byte line after dkdv_finished's, zeroed with them.
+  int* dkdv_tile_counter = nullptr;
   // CUDA, deterministic = false, plain attention over every key (no causal mask, window, varlen): scratch for
   // the dK/dV kernel's tail walks, run in pieces whose fp32 dK and dV sums meet here (TailSplit,
   // sm80/bwd_launch_template.cuh); dkv_accum_floats long, zeroed by the launcher where used. nullptr: no split.

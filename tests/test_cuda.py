@@ -269,6 +269,22 @@ def test_dq_conversion_overlap_with_variable_lengths(head_dim):
         check_varlen_gradients(q, k, v, cu_q, cu_k, causal=causal)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("features", [{"window_size": (0, 0)}, {"window_size": (200, 0), "softcap": 30.0},
+                                      {"causal": True, "dropout_p": 0.17}],
+                         ids=["diagonal_window", "window_softcap", "causal_dropout"])
+def test_persistent_dkdv_ctas_over_many_walks(features, head_dim):
+    """The sm90 dK/dV kernel's CTAs are persistent (one per SM, each taking walks from a counter until none
+    is left): 3 x 8 kv heads x 15-30 key blocks are more walks than SMs, of different lengths, so each CTA
+    reuses its buffers and barriers over several walks, in each variant (plain, softcap, dropout). At window
+    (0, 0) with seqlen_q < seqlen_k the first 1200 keys are seen by no query: walks of no step, whose dK / dV
+    are zeros. Twice in a row: the counter must start from zero in every call."""
+    q, k, v = make_qkv(3, 700, 1900, 16, 8, head_dim, torch.bfloat16, device="cuda")
+    features = {"causal": False, **features}
+    for _ in range(2):
+        check_gradients(q, k, v, **features)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_gradients_large_logits_are_finite(dtype):
     """Inputs scaled x30 (scores in the thousands): no NaN or inf in any gradient."""

@@ -2,28 +2,29 @@
 //
 // Why: the dK/dV kernel runs one CTA per SM, and its last wave is often partial, while the conversion
 // (dq_accum -> dq, 201 MB at hd128, 16k x 16 heads) took ~51 us after it. A sequence's dQ rows of one head
-// are final once every CTA of that (batch, kv head) has added its dQ; the CTAs run key block fastest, then
+// are final once every walk of that (batch, kv head) has added its dQ; the walks run key block fastest, then
 // kv head, then batch, so all but the last few heads are final well before the last wave ends. Measured
 // (H200, GPU time per backward, benchmarks/NOTES.md stop 22): window (1024, 1024) -1.2%; window (1024, 0)
 // nothing (its last key blocks have short walks, so its last wave leaves no SM idle); full 8 x 2k -2.3% in
 // one device call, nothing in another.
 //
-// How: each dK/dV CTA of (batch, kv head) adds 1 to BwdParams::dkdv_finished[kFinishedCounterStride *
-// (batch * heads_kv + kv_head)] with release semantics after all its stores (its dQ atomics, dK, dV); the
-// conversion is launched as a programmatic dependent (PDL) of the dK/dV kernel, so its CTAs start on the
-// SMs that the last wave leaves idle, and each warp waits (acquire) until its sequence's counter holds that
-// sequence's CTA count. PDL lets the dependent start only once every dK/dV CTA has started
-// (griddepcontrol.launch_dependents in each), so the CTAs it waits for are all resident or done: the wait
-// cannot deadlock. Without PDL (an older driver, or the launch attribute ignored) the conversion starts
-// after the kernel and finds the counts complete.
+// How: each walk of the dK/dV kernel (a key block of one (batch, kv head)) adds 1 to
+// BwdParams::dkdv_finished[kFinishedCounterStride * (batch * heads_kv + kv_head)] with release semantics after
+// all its stores (its dQ atomics, dK, dV); the conversion is launched as a programmatic dependent (PDL) of
+// the dK/dV kernel, so its CTAs start on the SMs that the kernel's persistent CTAs leave as they run out of
+// walks, and each warp waits (acquire) until its sequence's counter holds that sequence's walk count. PDL
+// lets the dependent start only once every dK/dV CTA has started (griddepcontrol.launch_dependents in each),
+// so the walks it waits for belong to resident CTAs: the wait cannot deadlock. Without PDL (an older driver,
+// or the launch attribute ignored) the conversion starts after the kernel and finds the counts complete.
 #pragma once
 
 #include <cstdint>
 
 namespace flash_ext {
 
-// After everything this CTA wrote: counts it as finished (thread 0, after a CTA barrier; the release
-// orders the whole CTA's earlier writes, which the barrier made happen before it, before the increment).
+// After everything this CTA wrote for a walk: counts the walk as finished (thread 0, after a CTA barrier; the
+// release orders the whole CTA's earlier writes, which the barrier made happen before it, before the
+// increment).
 __device__ __forceinline__ void count_finished_cta(int* counter) {
   __syncthreads();
   if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
@@ -57,7 +58,7 @@ __device__ __forceinline__ void wait_for_finished_ctas(const int* counter, int e
   (void)load_acquire();  // every lane's own acquire (the count is complete now)
 }
 
-// The dK/dV CTAs of one (batch, kv head) that count themselves: those whose first key lies in the
+// The dK/dV walks of one (batch, kv head) that are counted: those whose first key lies in the
 // sequence, i.e. ceil(len_k / keys_per_cta), at most the launched grid's key blocks (clamped, so that
 // lengths the grid does not cover cannot make the wait endless).
 __device__ __forceinline__ int counted_ctas(int64_t len_k, int keys_per_cta, int key_blocks_launched) {

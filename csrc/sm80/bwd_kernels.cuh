@@ -563,10 +563,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
 // in which the dK/dV kernel finishes them, for the overlap of finished_walks.cuh; variable-length, head, then
 // all row_groups of the accumulator (padding groups between sequences are read, not stored).
 // wait.keys_per_cta > 0: launched to overlap the sm90 dK/dV kernel, each warp first waits for its
-// sequence's (batch, kv head) CTAs (params.dkdv_finished).
+// sequence's (batch, kv head) walks (params.dkdv_finished).
 struct DkDvWait {
-  int keys_per_cta = 0;        // the dK/dV kernel's keys per CTA; 0: it has finished (no wait)
-  int key_blocks_launched = 0;  // its grid's key blocks (gridDim.x)
+  int keys_per_cta = 0;        // the dK/dV kernel's keys per walk; 0: it has finished (no wait)
+  int key_blocks_launched = 0;  // its key blocks per (batch, kv head)
 };
 
 template <int kHeadDim, typename Element>

@@ -88,9 +88,12 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   // 1. The fp32 dQ accumulator zeroed, all of it (padding rows too): a memset runs at the copy bandwidth.
   //    D = rowsum(dO ∘ O) (and row_stats): preprocess_lanes_per_row threads per (query row, head).
   if (params.dq_accum != nullptr) {
-    // The sm90 kernel's counters of finished CTAs (params.dkdv_finished) follow the floats: zeroed too.
+    // The sm90 kernel's counters of finished CTAs (params.dkdv_finished) and its tile counter follow the
+    // floats: zeroed too.
     const size_t counter_bytes =
-        params.dkdv_finished != nullptr ? sizeof(int) * kFinishedCounterStride * params.batch * params.heads_kv : 0;
+        params.dkdv_finished != nullptr
+            ? sizeof(int) * kFinishedCounterStride * (int64_t{params.batch} * params.heads_kv + 1)
+            : 0;
     throw_on_cuda_error(
         cudaMemsetAsync(params.dq_accum, 0,
                         sizeof(float) * params.heads_q * params.dq_accum_rows * kHeadDim + counter_bytes, stream),
@@ -157,8 +160,8 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
                            : (params.seqlen_q + DqAccumLayout::kTileRows - 1) / DqAccumLayout::kTileRows;
     const int64_t num_warps = (params.is_varlen() ? 1 : params.batch) * params.heads_q * row_groups *
                               (kHeadDim / (2 * DqAccumLayout::kTileCols));
-    // After the sm90 kernel: launched as its programmatic dependent, to run on the SMs its last wave leaves
-    // idle, each warp waiting for its own sequence's CTAs (common/finished_walks.cuh).
+    // After the sm90 kernel: launched as its programmatic dependent, to run on the SMs its persistent CTAs
+    // leave as they run out of walks, each warp waiting for its own sequence's walks (common/finished_walks.cuh).
     DkDvWait wait;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(static_cast<unsigned>((num_warps + 7) / 8));

@@ -16,6 +16,11 @@
 //     fp32 dQ accumulator with 16-byte atomics (common/dq_accum_layout.h).
 // Q, dO and the block's lse log2(e) / D arrive by TMA in one of kStages buffers; as in the forward, thread
 // 0 issues K, V and the first blocks, and the last of the 8 warps done with a buffer reloads it.
+// Persistent: one CTA per SM takes tiles (BwdWalk) from a counter until none is left. Once every warp is done
+// with a walk's shared memory, thread 0 issues the next walk's K, V and first query blocks, and their loads
+// land while the warps store this walk's dK / dV and count it as finished: the next walk then starts on a
+// full pipeline, without a CTA's launch and set-up in between (a window's walk is short: 18 steps at
+// (1024, 0), hd128).
 // Shared tiles are in the 128-byte swizzled layout (ptx_sm90.cuh, swizzle128_descriptor).
 #pragma once
 
@@ -77,8 +82,9 @@ struct BwdSm90Tile {
   // in 224 KB (hd128: 64 + 3 x 32 + 2 x 2 x 16 KB; hd64 with 64-query steps: 144 KB), else two (hd256: 64 +
   // 2 x 64 + 2 x 2 x 8 KB; hd64 with 128-query steps: 32 + 2 x 32 + 2 x 2 x 32 KB).
   static constexpr int kStages = 2 * kKvBytes + 3 * 2 * kQBytes + 4 * kDsBytes <= 224 * 1024 ? 3 : 2;
-  // K, V, Q[stage], dO[stage], dSᵀ[2], Pᵀ[2], lse[stage], D[stage], the mbarriers (K and V, Q[stage]) and the
-  // release counters, from the 1024-byte aligned base (the swizzle is computed from absolute addresses).
+  // K, V, Q[stage], dO[stage], dSᵀ[2], Pᵀ[2], lse[stage], D[stage], the mbarriers (K and V, Q[stage]), the
+  // release counters and the next tiles' slots, from the 1024-byte aligned base (the swizzle is computed from
+  // absolute addresses).
   static constexpr int kVOffset = kKvBytes;
   static constexpr int kQOffset = 2 * kKvBytes;
   static constexpr int kDoutOffset = kQOffset + kStages * kQBytes;
@@ -88,10 +94,69 @@ struct BwdSm90Tile {
   static constexpr int kDOffset = kLseOffset + kStages * kStatBytes;
   static constexpr int kBarrierOffset = kDOffset + kStages * kStatBytes;
   static constexpr int kCounterOffset = kBarrierOffset + 8 * (1 + kStages);
-  static constexpr int kSmemBytes = kCounterOffset + 4 * kStages;
+  static constexpr int kNextTileOffset = kCounterOffset + 4 * kStages;  // 2 ints (persistent CTAs' next tiles)
+  static constexpr int kSmemBytes = kNextTileOffset + 8;
   static_assert(kSmemBytes <= 227 * 1024, "the sm90 dK/dV kernel's shared memory exceeds a CTA's 227 KB");
   // dQ's B operand (K, MN-major) is kDqCols columns inside one 64-column region, or whole regions.
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "the sm90 backward's head dims");
+};
+
+// One tile of the dK/dV kernel: the keys key_block kBlockN .. + kBlockN - 1 of one (batch, kv head), walked
+// over the (query head of the GQA group, query block) pairs, head-major, of the query blocks holding a row
+// that sees one of them. Tiles are numbered key block fastest, then kv head, then batch: the order in which
+// the dQ conversion expects sequences to finish (common/finished_walks.cuh).
+template <typename Tile>
+struct BwdWalk {
+  int key_block, kv_head, batch;
+  SequenceSpan q_span, k_span;
+  int len_q, len_k;
+  BandMask band;
+  int first_key;
+  bool has_keys;  // false: past this sequence's keys (a variable-length batch): nothing to compute or write
+  int valid_keys;
+  int first_query_block, blocks_per_head, num_steps;
+  int walk_rotation;
+  int heads_per_kv;
+  int64_t sequence_accum_row;  // row 0 of this sequence in the dQ accumulator's and row_stats' numbering
+
+  __device__ __forceinline__ BwdWalk(const BwdParams& params, int tile, int key_blocks)
+      : key_block(tile % key_blocks),
+        kv_head(tile / key_blocks % params.heads_kv),
+        batch(tile / key_blocks / params.heads_kv),
+        q_span(params.query_span(batch)),
+        k_span(params.key_span(batch)),
+        len_q(static_cast<int>(q_span.length)),
+        len_k(static_cast<int>(k_span.length)),
+        band(params, len_q, len_k) {
+    first_key = key_block * Tile::kBlockN;
+    has_keys = first_key < len_k;
+    valid_keys = has_keys ? min(Tile::kBlockN, len_k - first_key) : 0;
+    const int row_begin = min(len_q, band.first_row_seeing(first_key));
+    const int64_t rows_seeing_end = band.end_row_seeing(first_key + valid_keys);
+    const int row_end = rows_seeing_end < len_q ? static_cast<int>(rows_seeing_end) : len_q;
+    first_query_block = row_begin / Tile::kBlockM;
+    blocks_per_head =
+        has_keys && row_end > row_begin ? (row_end + Tile::kBlockM - 1) / Tile::kBlockM - first_query_block : 0;
+    heads_per_kv = params.heads_per_kv();
+    num_steps = heads_per_kv * blocks_per_head;
+    // At head_dim 256 each walk starts at a different query block (rotated by its key block), so that the
+    // walks of one head do not add into the same dQ rows at the same time (in order, the 128 walks of a head
+    // at 8k all visit query block 0, then 1, ..., and a step adds twice hd128's dQ bytes per FLOP). Measured
+    // (H200, bf16, 2k / 8k / 16k): hd256 +16 / +9 / +11%, causal -1.5 / +6 / +13%; hd64 -1%, hd128 -2 to +1%
+    // (left unrotated).
+    walk_rotation = blocks_per_head > 0 ? key_block % blocks_per_head : 0;
+    sequence_accum_row =
+        DqAccumLayout::first_row(params.is_varlen() ? q_span.begin : int64_t{batch} * params.seqlen_q, batch);
+  }
+  __device__ __forceinline__ int head(int i) const { return kv_head * heads_per_kv + i / blocks_per_head; }
+  __device__ __forceinline__ int first_query(int i) const {
+    int block = i % blocks_per_head;
+    if constexpr (Tile::kSplitHeadDim) {
+      block += walk_rotation;
+      if (block >= blocks_per_head) block -= blocks_per_head;
+    }
+    return (first_query_block + block) * Tile::kBlockM;
+  }
 };
 
 // kExtras: softcap and ALiBi (common/score_mod.cuh); kDropout (implies kExtras): dropout too, the keep
@@ -130,61 +195,41 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
 
   // The dQ conversion may start on SMs this grid leaves idle (common/finished_walks.cuh).
   allow_dependent_launch();
-  const int key_block = blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const SequenceSpan q_span = params.query_span(batch);
-  const SequenceSpan k_span = params.key_span(batch);
-  const int len_q = static_cast<int>(q_span.length);
-  const int len_k = static_cast<int>(k_span.length);
-  const int first_key = key_block * kBlockN;
-  if (first_key >= len_k) return;  // variable-length batch: past this sequence's keys
-  const int valid_keys = min(kBlockN, len_k - first_key);
-  const BandMask band(params, len_q, len_k);
-  const int tma_batch = params.is_varlen() ? 0 : batch;
+  const int key_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
+  const int num_tiles = key_blocks * params.heads_kv * params.batch;
+  // The tile after walk r (thread 0 takes it from the counter during walk r's last step; read after its end).
+  int* next_tile_slot = reinterpret_cast<int*>(smem + Tile::kNextTileOffset);  // [r % 2]
 
-  // The walk: (query head of the GQA group, query block) pairs, head-major, over the query blocks holding a
-  // row that sees a key of this block.
-  const int row_begin = min(len_q, band.first_row_seeing(first_key));
-  const int64_t rows_seeing_end = band.end_row_seeing(first_key + valid_keys);
-  const int row_end = rows_seeing_end < len_q ? static_cast<int>(rows_seeing_end) : len_q;
-  const int first_query_block = row_begin / kBlockM;
-  const int blocks_per_head = row_end > row_begin ? (row_end + kBlockM - 1) / kBlockM - first_query_block : 0;
-  const int num_steps = params.heads_per_kv() * blocks_per_head;
-  auto step_head = [&](int i) { return kv_head * params.heads_per_kv() + i / blocks_per_head; };
-  // At head_dim 256 each CTA starts its walk at a different query block (rotated by its key block), so that
-  // the CTAs of one head do not add into the same dQ rows at the same time (in order, the 128 CTAs of a head
-  // at 8k all walk query block 0, then 1, ..., and a step adds twice hd128's dQ bytes per FLOP). Measured
-  // (H200, bf16, 2k / 8k / 16k): hd256 +16 / +9 / +11%, causal -1.5 / +6 / +13%; hd64 -1%, hd128 -2 to +1%
-  // (left unrotated).
-  const int walk_rotation = blocks_per_head > 0 ? key_block % blocks_per_head : 0;
-  auto step_first_query = [&](int i) {
-    int block = i % blocks_per_head;
-    if constexpr (Tile::kSplitHeadDim) {
-      block += walk_rotation;
-      if (block >= blocks_per_head) block -= blocks_per_head;
-    }
-    return (first_query_block + block) * kBlockM;
-  };
-  // Row 0 of this sequence in the dQ accumulator's and row_stats' numbering (DqAccumLayout).
-  const int64_t sequence_accum_row =
-      DqAccumLayout::first_row(params.is_varlen() ? q_span.begin : int64_t{batch} * params.seqlen_q, batch);
-
-  // Q, dO, lse log2(e) and D of the i-th step into buffer i % kStages (one thread).
-  auto load_query_block = [&](int i) {
-    const int stage = i % kStages;
-    const int head = step_head(i);
-    const int first_query = step_first_query(i);
-    const int row = static_cast<int>(q_span.begin) + first_query;  // TMA row of the (packed) tensor
+  // Q, dO, lse log2(e) and D of step i of `walk` into buffer g % kStages, g = i + the CTA's steps before the
+  // walk (one thread).
+  auto load_query_block = [&](const BwdWalk<Tile>& walk, int i, int steps_before) {
+    const int stage = (steps_before + i) % kStages;
+    const int head = walk.head(i);
+    const int first_query = walk.first_query(i);
+    const int row = static_cast<int>(walk.q_span.begin) + first_query;  // TMA row of the (packed) tensor
+    const int tma_batch = params.is_varlen() ? 0 : walk.batch;
     mbarrier_arrive_expect_bytes(bar_q_full(stage), 2 * Tile::kQBytes + 2 * Tile::kStatBytes);
     for (int c = 0; c < Tile::kColumnRegions; ++c) {
       tma_load_4d(smem_q(stage) + c * kBlockM * 128, &maps.q, bar_q_full(stage), c * 64, row, head, tma_batch);
       tma_load_4d(smem_dout(stage) + c * kBlockM * 128, &maps.dout, bar_q_full(stage), c * 64, row, head, tma_batch);
     }
-    const float* stats = params.row_stats + head * params.dq_accum_rows + sequence_accum_row + first_query;
+    const float* stats = params.row_stats + head * params.dq_accum_rows + walk.sequence_accum_row + first_query;
     bulk_load(smem_base + Tile::kLseOffset + stage * Tile::kStatBytes, stats, Tile::kStatBytes, bar_q_full(stage));
     bulk_load(smem_base + Tile::kDOffset + stage * Tile::kStatBytes, stats + params.heads_q * params.dq_accum_rows,
               Tile::kStatBytes, bar_q_full(stage));
+  };
+  // A walk's K, V and first query blocks (one thread, once no warp reads the buffers they go to). No TMA is
+  // issued for an empty walk (a CTA must not exit with copies into its shared memory in flight).
+  auto start_walk = [&](const BwdWalk<Tile>& walk, int steps_before) {
+    if (walk.num_steps == 0) return;
+    const int key_row = static_cast<int>(walk.k_span.begin) + walk.first_key;
+    const int tma_batch = params.is_varlen() ? 0 : walk.batch;
+    mbarrier_arrive_expect_bytes(bar_kv_full, 2 * Tile::kKvBytes);
+    for (int c = 0; c < Tile::kColumnRegions; ++c) {
+      tma_load_4d(smem_k + c * kBlockN * 128, &maps.k, bar_kv_full, c * 64, key_row, walk.kv_head, tma_batch);
+      tma_load_4d(smem_v + c * kBlockN * 128, &maps.v, bar_kv_full, c * 64, key_row, walk.kv_head, tma_batch);
+    }
+    for (int i = 0; i < min(walk.num_steps, kStages); ++i) load_query_block(walk, i, steps_before);
   };
   if (threadIdx.x == 0) {
     mbarrier_init(bar_kv_full, 1);
@@ -195,17 +240,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     mbarrier_init_fence();
   }
   __syncthreads();
-  // No TMA is issued for an empty walk (a CTA must not exit with copies into its shared memory in flight).
-  if (threadIdx.x == 0 && num_steps > 0) {
+  if (threadIdx.x == 0) {
     prefetch_tensor_map(&maps.q);
     prefetch_tensor_map(&maps.dout);
-    const int key_row = static_cast<int>(k_span.begin) + first_key;
-    mbarrier_arrive_expect_bytes(bar_kv_full, 2 * Tile::kKvBytes);
-    for (int c = 0; c < Tile::kColumnRegions; ++c) {
-      tma_load_4d(smem_k + c * kBlockN * 128, &maps.k, bar_kv_full, c * 64, key_row, kv_head, tma_batch);
-      tma_load_4d(smem_v + c * kBlockN * 128, &maps.v, bar_kv_full, c * 64, key_row, kv_head, tma_batch);
-    }
-    for (int i = 0; i < min(num_steps, kStages); ++i) load_query_block(i);
+    start_walk(BwdWalk<Tile>(params, blockIdx.x, key_blocks), 0);
   }
 
   const int warp = threadIdx.x / 32;
@@ -216,12 +254,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   const int group_first_key = Tile::kSplitHeadDim ? 0 : 64 * group;
   const int group_first_query = Tile::kSplitHeadDim ? Tile::kScoreQueries * group : 0;
   const int group_first_grad_col = Tile::kSplitHeadDim ? Tile::kGradCols * group : 0;
-  // Called by each warp once its wgmmas reading step i's buffer completed: the last of the 8 reloads it.
-  auto release_query_block = [&](int i) {
-    if (last_warp_to_release<Tile::kWarps>(&release_count[i % kStages]) && i + kStages < num_steps) {
-      load_query_block(i + kStages);
-    }
-  };
 
   // Operand descriptors (k-step t):
   //   Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: A = the warpgroup's 64 rows of K / V, B = its kScoreQueries rows of Q / dO,
@@ -243,11 +275,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   using MmaGrad = Wgmma<Element, Tile::kGradCols>;
   using MmaDq = Wgmma<Element, Tile::kDqCols>;
 
-  // This thread's score elements: keys thread_key + 8 half (of the sequence), queries
-  // thread_query + 8 j + e (of the block).
-  const int warp_first_key = first_key + group_first_key + 16 * warp_in_group;
-  const int thread_key = warp_first_key + lane / 4;
-  const int thread_query = group_first_query + 2 * (lane % 4);
   // stmatrix of dSᵀ: lane l addresses row l % 8 of matrix l / 8 = (keys + 8 (l / 8 % 2), queries + 8 (l / 16)).
   const int ds_store_row = group_first_key + 16 * warp_in_group + lane % 8 + 8 * (lane / 8 % 2);
   // dQ: this warpgroup computes rows dq_first_row .. + 63 of the block, columns dq_first_col .. + kDqCols - 1.
@@ -257,246 +284,304 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr int kRowGroupStride = DqAccumLayout::row_group_stride(kHeadDim);
   static_assert(kBlockM <= DqAccumLayout::kOverhangRows, "blocks past the last sequence stay in the buffer");
 
-  float acc_dk[kNTilesGrad][4] = {};
-  float acc_dv[kNTilesGrad][4] = {};
-  if (num_steps > 0) mbarrier_wait(bar_kv_full, 0);
-
-  // Sᵀ and dPᵀ of step i: issued and committed (one group), not waited for.
-  auto issue_scores = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4]) {
-    const int stage = i % kStages;
-    mbarrier_wait(bar_q_full(stage), (i / kStages) & 1);
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < kHeadDim / 16; ++t) {
-      MmaS::template ss<0>(acc_s[0], kv_scores_descriptor(smem_k, t), query_scores_descriptor(smem_q(stage), t), t);
-    }
-#pragma unroll
-    for (int t = 0; t < kHeadDim / 16; ++t) {
-      MmaS::template ss<0>(acc_dp[0], kv_scores_descriptor(smem_v, t), query_scores_descriptor(smem_dout(stage), t), t);
-    }
-    wgmma_commit();
-  };
-
-  // Step i's completed Sᵀ, dPᵀ -> Pᵀ and dSᵀ in place. A warp's block needs the
-  // element-wise mask unless every query row is valid and sees every one of the warp's 16 keys (band rows
-  // grow monotonically: the corners decide; band.end clamps at len_k). Masked entries get P = dS = 0 by
-  // selects (their lse / D may be padding).
-  auto scores_to_gradients = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4]) {
-    const int stage = i % kStages;
-    const int head = step_head(i);
-    const int first_query = step_first_query(i);
-    const int valid_queries = min(kBlockM, len_q - first_query);
-    const float* lse = stat_lse + stage * kBlockM;
-    const float* d = stat_d + stage * kBlockM;
-    const bool warp_unmasked = valid_queries == kBlockM && band.begin(first_query + kBlockM - 1) <= warp_first_key &&
-                               band.end(first_query) >= warp_first_key + 16;
-    const ScoreMod mod(params, batch, head, len_q, len_k);  // unused without kExtras
-    const float first_query_on_diagonal = mod.row_on_diagonal(first_query + thread_query);
-    // Dropout: bit (half, j % 8, e) of mask j / 8 set = element kept, one 32-bit mask per 64 queries
-    // (warp-collective: every lane computes its share).
-    constexpr int kKeepTiles = kNTilesS < 8 ? kNTilesS : 8;
-    uint32_t keep_bits[kNTilesS / kKeepTiles];
-#pragma unroll
-    for (int w = 0; w < kNTilesS / kKeepTiles; ++w) {
-      keep_bits[w] = ~0u;
-      if constexpr (kDropout) {
-        keep_bits[w] = transposed_keep_bits<1, kKeepTiles>(
-            philox_seed_offset(params), static_cast<uint64_t>(batch) * params.heads_q + head,
-            first_query + thread_query + 8 * kKeepTiles * w, thread_key, params.dropout_threshold);
+  int tile = blockIdx.x;
+  int steps_before = 0;   // the CTA's steps in earlier walks: step i of a walk uses buffer (steps_before + i) % kStages
+  uint32_t kv_phase = 0;  // parity of the next completion of bar_kv_full
+  for (int round = 0; tile < num_tiles; ++round) {
+    const BwdWalk<Tile> walk(params, tile, key_blocks);
+    // Thread 0 takes the next tile from the counter during the walk's last step, not earlier: a CTA that took
+    // it at the walk's start would hold it for the whole walk, and near the end of a causal grid, whose
+    // first walks are the longest (kb 0 of a head: 256 steps at 16k), SMs would go idle while tiles wait for
+    // busy CTAs (measured: causal 16k backward 1-2% slower, hd256 causal 4-7%). The atomic's result is
+    // stored to shared memory only after the loop, so no warp waits for it.
+    int taken_tile = 0;
+    auto take_next_tile = [&] {
+      if (threadIdx.x == 0) taken_tile = static_cast<int>(gridDim.x) + atomicAdd(params.dkdv_tile_counter, 1);
+    };
+    const int num_steps = walk.num_steps;
+    const int batch = walk.batch;
+    const int kv_head = walk.kv_head;
+    const int len_q = walk.len_q;
+    const int len_k = walk.len_k;
+    const BandMask& band = walk.band;
+    auto step_head = [&](int i) { return walk.head(i); };
+    auto step_first_query = [&](int i) { return walk.first_query(i); };
+    auto stage_of = [&](int i) { return (steps_before + i) % kStages; };
+    auto phase_of = [&](int i) { return static_cast<uint32_t>((steps_before + i) / kStages) & 1; };
+    // Called by each warp once its wgmmas reading step i's buffer completed: the last of the 8 reloads it.
+    auto release_query_block = [&](int i) {
+      if (last_warp_to_release<Tile::kWarps>(&release_count[stage_of(i)]) && i + kStages < num_steps) {
+        load_query_block(walk, i + kStages, steps_before);
       }
-    }
-    auto elementwise = [&](auto masked) {
+    };
+
+    // This thread's score elements: keys thread_key + 8 half (of the sequence), queries
+    // thread_query + 8 j + e (of the block).
+    const int warp_first_key = walk.first_key + group_first_key + 16 * warp_in_group;
+    const int thread_key = warp_first_key + lane / 4;
+    const int thread_query = group_first_query + 2 * (lane % 4);
+
+    float acc_dk[kNTilesGrad][4] = {};
+    float acc_dv[kNTilesGrad][4] = {};
+    if (num_steps > 0) mbarrier_wait(bar_kv_full, kv_phase);
+
+    // Sᵀ and dPᵀ of step i: issued and committed (one group), not waited for.
+    auto issue_scores = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4]) {
+      const int stage = stage_of(i);
+      mbarrier_wait(bar_q_full(stage), phase_of(i));
+      wgmma_fence();
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int key = thread_key + 8 * half;
-        int lo = 0, hi = kBlockM - 1;  // the queries of the block that see `key`
-        if constexpr (decltype(masked)::value) {
-          const IndexRange seen_by = band.queries_seeing_key(key);
-          const int64_t lo_unclamped = seen_by.begin - first_query, hi_unclamped = seen_by.end - 1 - first_query;
-          lo = lo_unclamped < 0 ? 0 : static_cast<int>(lo_unclamped < kBlockM ? lo_unclamped : kBlockM);
-          hi = hi_unclamped >= valid_queries ? valid_queries - 1
-                                             : static_cast<int>(hi_unclamped < -1 ? -1 : hi_unclamped);
+      for (int t = 0; t < kHeadDim / 16; ++t) {
+        MmaS::template ss<0>(acc_s[0], kv_scores_descriptor(smem_k, t), query_scores_descriptor(smem_q(stage), t), t);
+      }
+#pragma unroll
+      for (int t = 0; t < kHeadDim / 16; ++t) {
+        MmaS::template ss<0>(acc_dp[0], kv_scores_descriptor(smem_v, t), query_scores_descriptor(smem_dout(stage), t),
+                             t);
+      }
+      wgmma_commit();
+    };
+
+    // Step i's completed Sᵀ, dPᵀ -> Pᵀ and dSᵀ in place. A warp's block needs the
+    // element-wise mask unless every query row is valid and sees every one of the warp's 16 keys (band rows
+    // grow monotonically: the corners decide; band.end clamps at len_k). Masked entries get P = dS = 0 by
+    // selects (their lse / D may be padding).
+    auto scores_to_gradients = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4]) {
+      const int stage = stage_of(i);
+      const int head = step_head(i);
+      const int first_query = step_first_query(i);
+      const int valid_queries = min(kBlockM, len_q - first_query);
+      const float* lse = stat_lse + stage * kBlockM;
+      const float* d = stat_d + stage * kBlockM;
+      const bool warp_unmasked = valid_queries == kBlockM && band.begin(first_query + kBlockM - 1) <= warp_first_key &&
+                                 band.end(first_query) >= warp_first_key + 16;
+      const ScoreMod mod(params, batch, head, len_q, len_k);  // unused without kExtras
+      const float first_query_on_diagonal = mod.row_on_diagonal(first_query + thread_query);
+      // Dropout: bit (half, j % 8, e) of mask j / 8 set = element kept, one 32-bit mask per 64 queries
+      // (warp-collective: every lane computes its share).
+      constexpr int kKeepTiles = kNTilesS < 8 ? kNTilesS : 8;
+      uint32_t keep_bits[kNTilesS / kKeepTiles];
+#pragma unroll
+      for (int w = 0; w < kNTilesS / kKeepTiles; ++w) {
+        keep_bits[w] = ~0u;
+        if constexpr (kDropout) {
+          keep_bits[w] = transposed_keep_bits<1, kKeepTiles>(
+              philox_seed_offset(params), static_cast<uint64_t>(batch) * params.heads_q + head,
+              first_query + thread_query + 8 * kKeepTiles * w, thread_key, params.dropout_threshold);
         }
+      }
+      auto elementwise = [&](auto masked) {
 #pragma unroll
-        for (int j = 0; j < kNTilesS; ++j) {
+        for (int half = 0; half < 2; ++half) {
+          const int key = thread_key + 8 * half;
+          int lo = 0, hi = kBlockM - 1;  // the queries of the block that see `key`
+          if constexpr (decltype(masked)::value) {
+            const IndexRange seen_by = band.queries_seeing_key(key);
+            const int64_t lo_unclamped = seen_by.begin - first_query, hi_unclamped = seen_by.end - 1 - first_query;
+            lo = lo_unclamped < 0 ? 0 : static_cast<int>(lo_unclamped < kBlockM ? lo_unclamped : kBlockM);
+            hi = hi_unclamped >= valid_queries ? valid_queries - 1
+                                               : static_cast<int>(hi_unclamped < -1 ? -1 : hi_unclamped);
+          }
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int query = thread_query + 8 * j + e;
-            const int r = 2 * half + e;
-            float score = acc_s[0][j][r], grad_factor = 1.f;
-            if constexpr (kExtras) {
-              float tanh_value;
-              score = mod.raw_score(score, first_query_on_diagonal + static_cast<float>(8 * j + e),
-                                    static_cast<float>(key), tanh_value);
-              grad_factor = 1.f - tanh_value * tanh_value;
+          for (int j = 0; j < kNTilesS; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int query = thread_query + 8 * j + e;
+              const int r = 2 * half + e;
+              float score = acc_s[0][j][r], grad_factor = 1.f;
+              if constexpr (kExtras) {
+                float tanh_value;
+                score = mod.raw_score(score, first_query_on_diagonal + static_cast<float>(8 * j + e),
+                                      static_cast<float>(key), tanh_value);
+                grad_factor = 1.f - tanh_value * tanh_value;
+              }
+              // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep · scale - D) ∘ (1 - tanh²) takes P itself.
+              const float p = exp2f(fmaf(score, params.scale_log2, -lse[query]));
+              float p_for_dv = p, dp = acc_dp[0][j][r];
+              if constexpr (kDropout) {
+                const bool kept = keep_bits[j / kKeepTiles] >> ((half * kKeepTiles + j % kKeepTiles) * 2 + e) & 1;
+                p_for_dv = kept ? p * params.dropout_scale : 0.f;
+                dp = kept ? dp * params.dropout_scale : 0.f;
+              }
+              float ds = p * grad_factor * (dp - d[query]);
+              if constexpr (decltype(masked)::value) {
+                const bool visible = query >= lo && query <= hi;
+                p_for_dv = visible ? p_for_dv : 0.f;
+                ds = visible ? ds : 0.f;
+              }
+              acc_s[0][j][r] = p_for_dv;
+              acc_dp[0][j][r] = ds;
             }
-            // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep · scale - D) ∘ (1 - tanh²) takes P itself.
-            const float p = exp2f(fmaf(score, params.scale_log2, -lse[query]));
-            float p_for_dv = p, dp = acc_dp[0][j][r];
-            if constexpr (kDropout) {
-              const bool kept = keep_bits[j / kKeepTiles] >> ((half * kKeepTiles + j % kKeepTiles) * 2 + e) & 1;
-              p_for_dv = kept ? p * params.dropout_scale : 0.f;
-              dp = kept ? dp * params.dropout_scale : 0.f;
-            }
-            float ds = p * grad_factor * (dp - d[query]);
-            if constexpr (decltype(masked)::value) {
-              const bool visible = query >= lo && query <= hi;
-              p_for_dv = visible ? p_for_dv : 0.f;
-              ds = visible ? ds : 0.f;
-            }
-            acc_s[0][j][r] = p_for_dv;
-            acc_dp[0][j][r] = ds;
           }
         }
+      };
+      if (warp_unmasked) {
+        elementwise(std::false_type{});
+      } else {
+        elementwise(std::true_type{});
       }
     };
-    if (warp_unmasked) {
-      elementwise(std::false_type{});
-    } else {
-      elementwise(std::true_type{});
-    }
-  };
 
-  // Step i's Pᵀ and dSᵀ in 16 bits to shared memory (buffers i % 2), one stmatrix per 16 keys x 16 queries
-  // (the four 8 x 8 matrices of an A fragment), and this warpgroup's half of dSᵀ announced to the other
-  // (named barrier 1 + 2 (i % 2) + group, arrive only).
-  auto store_p_ds = [&](int i, const float (&acc_s)[1][kNTilesS][4], const float (&acc_dp)[1][kNTilesS][4]) {
-    uint32_t frag[1][kNTilesS / 2][4];
-    auto store = [&](uint32_t tile) {
+    // Step i's Pᵀ and dSᵀ in 16 bits to shared memory (buffers i % 2), one stmatrix per 16 keys x 16 queries
+    // (the four 8 x 8 matrices of an A fragment), and this warpgroup's half of dSᵀ announced to the other
+    // (named barrier 1 + 2 (i % 2) + group, arrive only).
+    auto store_p_ds = [&](int i, const float (&acc_s)[1][kNTilesS][4], const float (&acc_dp)[1][kNTilesS][4]) {
+      uint32_t frag[1][kNTilesS / 2][4];
+      auto store = [&](uint32_t tile) {
 #pragma unroll
-      for (int jj = 0; jj < kNTilesS / 2; ++jj) {
-        // 16-byte chunk of the query row: with 128-query steps, 8 chunks per 64-query region, jj / 4 the region.
-        const int chunk = group_first_query / 8 + 2 * (jj % 4) + lane / 16;
-        stmatrix_x4(tile + (jj / 4) * kBlockN * 128 + ds_store_row * 128 + ((chunk ^ (ds_store_row % 8)) * 16),
-                    {frag[0][jj][0], frag[0][jj][1], frag[0][jj][2], frag[0][jj][3]});
+        for (int jj = 0; jj < kNTilesS / 2; ++jj) {
+          // 16-byte chunk of the query row: with 128-query steps, 8 chunks per 64-query region, jj / 4 the region.
+          const int chunk = group_first_query / 8 + 2 * (jj % 4) + lane / 16;
+          stmatrix_x4(tile + (jj / 4) * kBlockN * 128 + ds_store_row * 128 + ((chunk ^ (ds_store_row % 8)) * 16),
+                      {frag[0][jj][0], frag[0][jj][1], frag[0][jj][2], frag[0][jj][3]});
+        }
+      };
+      accumulator_to_a_fragments<Element>(acc_s, frag);
+      store(smem_p(i % 2));
+      accumulator_to_a_fragments<Element>(acc_dp, frag);
+      store(smem_ds(i % 2));
+      fence_async_shared();
+      named_barrier_arrive(1 + 2 * (i % 2) + group, Tile::kThreads);
+    };
+
+    // dV += Pᵀ dO, dK += dSᵀ Q of step i (A = this warpgroup's 64 key rows of the stored Pᵀ / dSᵀ, K-major over
+    // the block's queries): issued and committed, not waited for.
+    auto issue_grads = [&](int i) {
+      const int stage = stage_of(i);
+      auto own_rows = [&](uint32_t tile, int t) {
+        return swizzle128_descriptor(tile + (t / 4) * kBlockN * 128 + group_first_key * 128 + (t % 4) * 32, 16);
+      };
+      wgmma_fence();
+#pragma unroll
+      for (int t = 0; t < kBlockM / 16; ++t) {
+        MmaGrad::template ss<1>(acc_dv, own_rows(smem_p(i % 2), t), query_grad_descriptor(smem_dout(stage), t), 1);
+      }
+#pragma unroll
+      for (int t = 0; t < kBlockM / 16; ++t) {
+        MmaGrad::template ss<1>(acc_dk, own_rows(smem_ds(i % 2), t), query_grad_descriptor(smem_q(stage), t), 1);
+      }
+      wgmma_commit();
+    };
+
+    // dQ of step i (this warpgroup's 64 queries x kDqCols columns) = dS K over the block's keys, once the other
+    // warpgroup's half of dSᵀ is stored: issued and committed, not waited for.
+    auto issue_dq = [&](int i, float (&acc_dq)[kNTilesDq][4]) {
+      named_barrier_sync(1 + 2 * (i % 2) + (1 - group), Tile::kThreads);
+      // A: dSᵀ's 64-query region of this warpgroup's queries (kDqSplitRows), or its only region.
+      const uint32_t ds_tile = smem_ds(i % 2) + dq_first_row / 64 * kBlockN * 128;
+      // This warpgroup's columns of K: region group kDqCols / 64, 2 group kDqCols % 64 bytes into its rows.
+      const int first_col = dq_first_col;
+      const uint32_t k_cols = smem_k + (first_col / 64) * kBlockN * 128 + (first_col % 64) * 2;
+      wgmma_fence();
+#pragma unroll
+      for (int t = 0; t < kBlockN / 16; ++t) {
+        MmaDq::template ss<1, 1>(acc_dq, swizzle128_descriptor(ds_tile + t * 16 * 128, kBlockN * 128),
+                                 swizzle128_descriptor(k_cols + t * 16 * 128, kBlockN * 128), t);
+      }
+      wgmma_commit();
+    };
+
+    // Step i's completed dQ added to the fp32 accumulator. Rows past the sequence's end (dS = 0) are added
+    // too: DqAccumLayout says where they land.
+    auto add_dq = [&](int i, const float (&acc_dq)[kNTilesDq][4]) {
+      const int64_t accum_row = walk.sequence_accum_row + step_first_query(i) + dq_first_row + 16 * warp_in_group;
+      float* dq_accum_lane = params.dq_accum + dq_layout.tile_offset(accum_row, step_head(i), dq_first_col) + 4 * lane;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int pair = 0; pair < kNTilesDq / 2; ++pair) {
+          atomic_add_float4(dq_accum_lane + half * kRowGroupStride + pair * DqAccumLayout::kTileFloats,
+                            acc_dq[2 * pair][2 * half], acc_dq[2 * pair][2 * half + 1], acc_dq[2 * pair + 1][2 * half],
+                            acc_dq[2 * pair + 1][2 * half + 1]);
+        }
       }
     };
-    accumulator_to_a_fragments<Element>(acc_s, frag);
-    store(smem_p(i % 2));
-    accumulator_to_a_fragments<Element>(acc_dp, frag);
-    store(smem_ds(i % 2));
-    fence_async_shared();
-    named_barrier_arrive(1 + 2 * (i % 2) + group, Tile::kThreads);
-  };
 
-  // dV += Pᵀ dO, dK += dSᵀ Q of step i (A = this warpgroup's 64 key rows of the stored Pᵀ / dSᵀ, K-major over
-  // the block's queries): issued and committed, not waited for.
-  auto issue_grads = [&](int i) {
-    const int stage = i % kStages;
-    auto own_rows = [&](uint32_t tile, int t) {
-      return swizzle128_descriptor(tile + (t / 4) * kBlockN * 128 + group_first_key * 128 + (t % 4) * 32, 16);
-    };
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < kBlockM / 16; ++t) {
-      MmaGrad::template ss<1>(acc_dv, own_rows(smem_p(i % 2), t), query_grad_descriptor(smem_dout(stage), t), 1);
-    }
-#pragma unroll
-    for (int t = 0; t < kBlockM / 16; ++t) {
-      MmaGrad::template ss<1>(acc_dk, own_rows(smem_ds(i % 2), t), query_grad_descriptor(smem_q(stage), t), 1);
-    }
-    wgmma_commit();
-  };
-
-  // dQ of step i (this warpgroup's 64 queries x kDqCols columns) = dS K over the block's keys, once the other
-  // warpgroup's half of dSᵀ is stored: issued and committed, not waited for.
-  auto issue_dq = [&](int i, float (&acc_dq)[kNTilesDq][4]) {
-    named_barrier_sync(1 + 2 * (i % 2) + (1 - group), Tile::kThreads);
-    // A: dSᵀ's 64-query region of this warpgroup's queries (kDqSplitRows), or its only region.
-    const uint32_t ds_tile = smem_ds(i % 2) + dq_first_row / 64 * kBlockN * 128;
-    // This warpgroup's columns of K: region group kDqCols / 64, 2 group kDqCols % 64 bytes into its rows.
-    const int first_col = dq_first_col;
-    const uint32_t k_cols = smem_k + (first_col / 64) * kBlockN * 128 + (first_col % 64) * 2;
-    wgmma_fence();
-#pragma unroll
-    for (int t = 0; t < kBlockN / 16; ++t) {
-      MmaDq::template ss<1, 1>(acc_dq, swizzle128_descriptor(ds_tile + t * 16 * 128, kBlockN * 128),
-                               swizzle128_descriptor(k_cols + t * 16 * 128, kBlockN * 128), t);
-    }
-    wgmma_commit();
-  };
-
-  // Step i's completed dQ added to the fp32 accumulator. Rows past the sequence's end (dS = 0) are added
-  // too: DqAccumLayout says where they land.
-  auto add_dq = [&](int i, const float (&acc_dq)[kNTilesDq][4]) {
-    const int64_t accum_row = sequence_accum_row + step_first_query(i) + dq_first_row + 16 * warp_in_group;
-    float* dq_accum_lane = params.dq_accum + dq_layout.tile_offset(accum_row, step_head(i), dq_first_col) + 4 * lane;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-      for (int pair = 0; pair < kNTilesDq / 2; ++pair) {
-        atomic_add_float4(dq_accum_lane + half * kRowGroupStride + pair * DqAccumLayout::kTileFloats,
-                          acc_dq[2 * pair][2 * half], acc_dq[2 * pair][2 * half + 1], acc_dq[2 * pair + 1][2 * half],
-                          acc_dq[2 * pair + 1][2 * half + 1]);
+    // Per step i: step i - 1's dQ (once the other warpgroup's half of its dSᵀ is stored), waited for and added;
+    // step i's Sᵀ, dPᵀ and step i - 1's dV / dK issued; the element-wise work of step i runs while that dV / dK
+    // completes (FlashAttention-3's intra-warpgroup overlap, here of the gradient GEMMs, whose accumulators
+    // are live anyway); then step i's Pᵀ and dSᵀ are stored. (With dQ in flight during the element-wise work
+    // instead, ptxas serialised the wgmmas for want of registers: C7511.)
+    float acc_s[1][kNTilesS][4];   // Sᵀ, then Pᵀ in place
+    float acc_dp[1][kNTilesS][4];  // dPᵀ, then dSᵀ in place
+    for (int i = 0; i < num_steps; ++i) {
+      if (i == num_steps - 1) take_next_tile();
+      if (i > 0) {
+        // Step i - 1's dQ, then step i's Sᵀ / dPᵀ: the dQ atomics run while Sᵀ / dPᵀ compute.
+        float acc_dq[kNTilesDq][4];
+        issue_dq(i - 1, acc_dq);
+        issue_scores(i, acc_s, acc_dp);
+        wgmma_wait<1>();  // dQ of step i - 1
+        register_fence(acc_dq);
+        add_dq(i - 1, acc_dq);
+        issue_grads(i - 1);
+        wgmma_wait<1>();  // Sᵀ, dPᵀ of step i; step i - 1's dV / dK may still run
+      } else {
+        issue_scores(i, acc_s, acc_dp);
+        wgmma_wait<0>();
       }
+      register_fence(acc_s[0]);
+      register_fence(acc_dp[0]);
+      scores_to_gradients(i, acc_s, acc_dp);
+      if (i > 0) {
+        wgmma_wait<0>();  // step i - 1's dV / dK: its Pᵀ / dSᵀ buffers and its Q / dO are free
+        release_query_block(i - 1);
+      }
+      store_p_ds(i, acc_s, acc_dp);
     }
-  };
-
-  // Per step i: step i - 1's dQ (once the other warpgroup's half of its dSᵀ is stored), waited for and added;
-  // step i's Sᵀ, dPᵀ and step i - 1's dV / dK issued; the element-wise work of step i runs while that dV / dK
-  // completes (FlashAttention-3's intra-warpgroup overlap, here of the gradient GEMMs, whose accumulators
-  // are live anyway); then step i's Pᵀ and dSᵀ are stored. (With dQ in flight during the element-wise work
-  // instead, ptxas serialised the wgmmas for want of registers: C7511.)
-  float acc_s[1][kNTilesS][4];   // Sᵀ, then Pᵀ in place
-  float acc_dp[1][kNTilesS][4];  // dPᵀ, then dSᵀ in place
-  for (int i = 0; i < num_steps; ++i) {
-    if (i > 0) {
-      // Step i - 1's dQ, then step i's Sᵀ / dPᵀ: the dQ atomics run while Sᵀ / dPᵀ compute.
+    if (num_steps > 0) {
       float acc_dq[kNTilesDq][4];
-      issue_dq(i - 1, acc_dq);
-      issue_scores(i, acc_s, acc_dp);
-      wgmma_wait<1>();  // dQ of step i - 1
-      register_fence(acc_dq);
-      add_dq(i - 1, acc_dq);
-      issue_grads(i - 1);
-      wgmma_wait<1>();  // Sᵀ, dPᵀ of step i; step i - 1's dV / dK may still run
-    } else {
-      issue_scores(i, acc_s, acc_dp);
+      issue_dq(num_steps - 1, acc_dq);
       wgmma_wait<0>();
+      register_fence(acc_dq);
+      add_dq(num_steps - 1, acc_dq);
+      issue_grads(num_steps - 1);
+      wgmma_wait<0>();
+      release_query_block(num_steps - 1);
     }
-    register_fence(acc_s[0]);
-    register_fence(acc_dp[0]);
-    scores_to_gradients(i, acc_s, acc_dp);
-    if (i > 0) {
-      wgmma_wait<0>();  // step i - 1's dV / dK: its Pᵀ / dSᵀ buffers and its Q / dO are free
-      release_query_block(i - 1);
-    }
-    store_p_ds(i, acc_s, acc_dp);
-  }
-  if (num_steps > 0) {
-    float acc_dq[kNTilesDq][4];
-    issue_dq(num_steps - 1, acc_dq);
-    wgmma_wait<0>();
-    register_fence(acc_dq);
-    add_dq(num_steps - 1, acc_dq);
-    issue_grads(num_steps - 1);
-    wgmma_wait<0>();
-    release_query_block(num_steps - 1);
-  }
-  register_fence(acc_dk);
-  register_fence(acc_dv);
+    register_fence(acc_dk);
+    register_fence(acc_dv);
 
-  // dK = scale dSᵀ Q and dV: each thread writes keys thread_key (+ 8) and two columns per n-tile of the
-  // warpgroup's columns.
-  Element* dk = static_cast<Element*>(params.dk) + batch * params.dk_strides.batch + kv_head * params.dk_strides.head;
-  Element* dv = static_cast<Element*>(params.dv) + batch * params.dv_strides.batch + kv_head * params.dv_strides.head;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key_in_sequence = thread_key + 8 * half;
-    if (key_in_sequence >= len_k) continue;
-    const int64_t key = k_span.begin + key_in_sequence;  // row in the (packed) dk and dv
-#pragma unroll
-    for (int j = 0; j < kNTilesGrad; ++j) {
-      const int col = group_first_grad_col + 8 * j + 2 * (lane % 4);
-      *reinterpret_cast<uint32_t*>(dv + key * params.dv_strides.row + col) =
-          pack_float2<Element>(acc_dv[j][2 * half], acc_dv[j][2 * half + 1]);
-      *reinterpret_cast<uint32_t*>(dk + key * params.dk_strides.row + col) =
-          pack_float2<Element>(acc_dk[j][2 * half] * params.softmax_scale, acc_dk[j][2 * half + 1] * params.softmax_scale);
+    // Every warp's wgmmas of this walk completed (its last wgmma_wait), so after this barrier no warp reads K,
+    // V or a query-block buffer any more: thread 0 starts the next walk's loads, which land while this walk's
+    // dK / dV are stored.
+    if (num_steps == 0) take_next_tile();
+    if (threadIdx.x == 0) next_tile_slot[round % 2] = taken_tile;
+    __syncthreads();
+    const int next_tile = next_tile_slot[round % 2];
+    if (num_steps > 0) kv_phase ^= 1;
+    steps_before += num_steps;
+    if (threadIdx.x == 0 && next_tile < num_tiles) {
+      start_walk(BwdWalk<Tile>(params, next_tile, key_blocks), steps_before);
     }
-  }
-  // Last: counted for the dQ conversion of this (batch, kv head)'s rows (finished_walks.cuh).
-  if (params.dkdv_finished != nullptr) {
-    count_finished_cta(&params.dkdv_finished[kFinishedCounterStride * (batch * params.heads_kv + kv_head)]);
+
+    if (walk.has_keys) {
+      // dK = scale dSᵀ Q and dV: each thread writes keys thread_key (+ 8) and two columns per n-tile of the
+      // warpgroup's columns.
+      Element* dk =
+          static_cast<Element*>(params.dk) + batch * params.dk_strides.batch + kv_head * params.dk_strides.head;
+      Element* dv =
+          static_cast<Element*>(params.dv) + batch * params.dv_strides.batch + kv_head * params.dv_strides.head;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int key_in_sequence = thread_key + 8 * half;
+        if (key_in_sequence >= len_k) continue;
+        const int64_t key = walk.k_span.begin + key_in_sequence;  // row in the (packed) dk and dv
+#pragma unroll
+        for (int j = 0; j < kNTilesGrad; ++j) {
+          const int col = group_first_grad_col + 8 * j + 2 * (lane % 4);
+          *reinterpret_cast<uint32_t*>(dv + key * params.dv_strides.row + col) =
+              pack_float2<Element>(acc_dv[j][2 * half], acc_dv[j][2 * half + 1]);
+          *reinterpret_cast<uint32_t*>(dk + key * params.dk_strides.row + col) = pack_float2<Element>(
+              acc_dk[j][2 * half] * params.softmax_scale, acc_dk[j][2 * half + 1] * params.softmax_scale);
+        }
+      }
+      // Last: counted for the dQ conversion of this (batch, kv head)'s rows (finished_walks.cuh).
+      if (params.dkdv_finished != nullptr) {
+        count_finished_cta(&params.dkdv_finished[kFinishedCounterStride * (batch * params.heads_kv + kv_head)]);
+      }
+    }
+    tile = next_tile;
   }
 #endif  // sm_90a
 }

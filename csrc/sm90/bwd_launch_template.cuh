@@ -2,7 +2,9 @@
 // decide whether it takes the call. Included by the generated translation units in csrc/instantiations/.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "bwd_kernel.cuh"
 #include "launch.h"
@@ -47,9 +49,20 @@ bool launch_dkdv(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
   }
 
   set_smem_limit(kernel, Tile::kSmemBytes, "the sm90 dK/dV kernel");
-  const dim3 grid(static_cast<unsigned>((params.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN), params.heads_kv,
-                  params.batch);
-  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(params, maps);
+  // Persistent: as many CTAs as fit at once (one per SM), or fewer where there are fewer tiles; they take
+  // the tiles from params.dkdv_tile_counter.
+  const int64_t num_tiles = int64_t{(params.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN} * params.heads_kv *
+                            params.batch;
+  if (num_tiles > std::numeric_limits<int>::max()) return false;
+  int device = 0, num_sms = 0, ctas_per_sm = 0;
+  throw_on_cuda_error(cudaGetDevice(&device), "querying the current device");
+  throw_on_cuda_error(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+                      "querying the SM count");
+  throw_on_cuda_error(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, Tile::kThreads, Tile::kSmemBytes),
+      "querying the sm90 dK/dV kernel's occupancy");
+  const int64_t grid = std::min<int64_t>(num_tiles, int64_t{num_sms} * std::max(ctas_per_sm, 1));
+  kernel<<<static_cast<unsigned>(grid), Tile::kThreads, Tile::kSmemBytes, stream>>>(params, maps);
   throw_on_cuda_error(cudaGetLastError(), "launching the sm90 dK/dV kernel");
   return true;
 }
@@ -57,7 +70,10 @@ bool launch_dkdv(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
 template <Elem16 kElem, int kHeadDim>
 bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
   using Element = ElementOf<kElem>;
-  if (sm90_disabled() || params.dq_accum == nullptr || params.row_stats == nullptr || !device_is_sm90()) return false;
+  if (sm90_disabled() || params.dq_accum == nullptr || params.row_stats == nullptr ||
+      params.dkdv_tile_counter == nullptr || !device_is_sm90()) {
+    return false;
+  }
   const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
   if (params.has_dropout()) {
     return launch_dkdv<Element, BwdSm90Tile<kHeadDim, true>>(attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, true>,
