@@ -16,7 +16,8 @@
 //     fp32 dQ accumulator with 16-byte atomics (common/dq_accum_layout.h).
 // Q, dO and the block's lse log2(e) / D arrive by TMA in one of kStages buffers; as in the forward, thread
 // 0 issues K, V and the first blocks, and the last of the 8 warps done with a buffer reloads it.
-// Persistent: one CTA per SM takes tiles (BwdWalk) from a counter until none is left. Once every warp is done
+// Persistent (plain attention; BwdSm90Tile::kPersistent): one CTA per SM takes tiles (BwdWalk) from a counter
+// until none is left. Once every warp is done
 // with a walk's shared memory, thread 0 issues the next walk's K, V and first query blocks, and their loads
 // land while the warps store this walk's dK / dV and count it as finished: the next walk then starts on a
 // full pipeline, without a CTA's launch and set-up in between (a window's walk is short: 18 steps at
@@ -64,7 +65,11 @@ struct BwdSm90Tile {
   // same element-wise work per warpgroup; not in the softcap / ALiBi / dropout variants, which spill 140 /
   // 1184 bytes with it (ptxas, sm_90a).
   static constexpr int kBlockM = kHeadDim == 64 && !kExtras ? 128 : 64;
-  static constexpr bool kDqSplitRows = kBlockM == 128;  // each warpgroup's dQ: 64 queries x the head dim
+  static constexpr bool kDqSplitRows = kBlockM == 128;
+  // Persistent CTAs (one per SM, walks from a counter) for plain attention; the softcap / ALiBi / dropout
+  // variants, short of registers, keep a CTA per walk: persistent, they spilled more (hd128 dropout 100 ->
+  // 172 B) and ran no faster (softcap, ALiBi) or 11% slower (dropout) at 8k (H200, stop 24).
+  static constexpr bool kPersistent = !kExtras;  // each warpgroup's dQ: 64 queries x the head dim
   static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM / 2 : kBlockM;  // a warpgroup's Sᵀ columns
   static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;    // its dK / dV columns
   static constexpr int kWarps = 8;
@@ -167,6 +172,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ BwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = BwdSm90Tile<kHeadDim, kExtras>;
+  constexpr bool kPersistent = Tile::kPersistent;
   static_assert(kExtras || !kDropout, "the dropout variant includes softcap and ALiBi");
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kBlockN = Tile::kBlockN;
@@ -296,7 +302,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     // stored to shared memory only after the loop, so no warp waits for it.
     int taken_tile = 0;
     auto take_next_tile = [&] {
-      if (threadIdx.x == 0) taken_tile = static_cast<int>(gridDim.x) + atomicAdd(params.dkdv_tile_counter, 1);
+      if (kPersistent && threadIdx.x == 0) {
+        taken_tile = static_cast<int>(gridDim.x) + atomicAdd(params.dkdv_tile_counter, 1);
+      }
     };
     const int num_steps = walk.num_steps;
     const int batch = walk.batch;
@@ -546,9 +554,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     // V or a query-block buffer any more: thread 0 starts the next walk's loads, which land while this walk's
     // dK / dV are stored.
     if (num_steps == 0) take_next_tile();
-    if (threadIdx.x == 0) next_tile_slot[round % 2] = taken_tile;
+    if (kPersistent && threadIdx.x == 0) next_tile_slot[round % 2] = taken_tile;
     __syncthreads();
-    const int next_tile = next_tile_slot[round % 2];
+    const int next_tile = kPersistent ? next_tile_slot[round % 2] : num_tiles;
     if (num_steps > 0) kv_phase ^= 1;
     steps_before += num_steps;
     if (threadIdx.x == 0 && next_tile < num_tiles) {

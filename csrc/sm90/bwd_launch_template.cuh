@@ -50,7 +50,7 @@ bool launch_dkdv(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
 
   set_smem_limit(kernel, Tile::kSmemBytes, "the sm90 dK/dV kernel");
   // Persistent: as many CTAs as fit at once (one per SM), or fewer where there are fewer tiles; they take
-  // the tiles from params.dkdv_tile_counter.
+  // the tiles from params.dkdv_tile_counter. Otherwise a CTA per tile.
   const int64_t num_tiles = int64_t{(params.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN} * params.heads_kv *
                             params.batch;
   if (num_tiles > std::numeric_limits<int>::max()) return false;
@@ -61,7 +61,8 @@ bool launch_dkdv(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
   throw_on_cuda_error(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, Tile::kThreads, Tile::kSmemBytes),
       "querying the sm90 dK/dV kernel's occupancy");
-  const int64_t grid = std::min<int64_t>(num_tiles, int64_t{num_sms} * std::max(ctas_per_sm, 1));
+  const int64_t grid =
+      Tile::kPersistent ? std::min<int64_t>(num_tiles, int64_t{num_sms} * std::max(ctas_per_sm, 1)) : num_tiles;
   kernel<<<static_cast<unsigned>(grid), Tile::kThreads, Tile::kSmemBytes, stream>>>(params, maps);
   throw_on_cuda_error(cudaGetLastError(), "launching the sm90 dK/dV kernel");
   return true;
