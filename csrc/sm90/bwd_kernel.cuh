@@ -68,7 +68,7 @@ struct BwdSm90Tile {
   static constexpr bool kDqSplitRows = kBlockM == 128;
   // Persistent CTAs (one per SM, walks from a counter) for plain attention; the softcap / ALiBi / dropout
   // variants, short of registers, keep a CTA per walk: persistent, they spilled more (hd128 dropout 100 ->
-  // 172 B) and ran no faster (softcap, ALiBi) or 11% slower (dropout) at 8k (H200, stop 24).
+  // 172 B) and ran no faster (softcap, ALiBi) or 8-11% slower (dropout) at 8k (H200, stop 24).
   static constexpr bool kPersistent = !kExtras;  // each warpgroup's dQ: 64 queries x the head dim
   static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM / 2 : kBlockM;  // a warpgroup's Sᵀ columns
   static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;    // its dK / dV columns
