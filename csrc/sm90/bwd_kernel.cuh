@@ -65,11 +65,11 @@ struct BwdSm90Tile {
   // same element-wise work per warpgroup; not in the softcap / ALiBi / dropout variants, which spill 140 /
   // 1184 bytes with it (ptxas, sm_90a).
   static constexpr int kBlockM = kHeadDim == 64 && !kExtras ? 128 : 64;
-  static constexpr bool kDqSplitRows = kBlockM == 128;
+  static constexpr bool kDqSplitRows = kBlockM == 128;  // each warpgroup's dQ: 64 queries x the head dim
   // Persistent CTAs (one per SM, walks from a counter) for plain attention; the softcap / ALiBi / dropout
   // variants, short of registers, keep a CTA per walk: persistent, they spilled more (hd128 dropout 100 ->
   // 172 B) and ran no faster (softcap, ALiBi) or 8-11% slower (dropout) at 8k (H200, stop 24).
-  static constexpr bool kPersistent = !kExtras;  // each warpgroup's dQ: 64 queries x the head dim
+  static constexpr bool kPersistent = !kExtras;
   static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM / 2 : kBlockM;  // a warpgroup's Sᵀ columns
   static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;    // its dK / dV columns
   static constexpr int kWarps = 8;
