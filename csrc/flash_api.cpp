@@ -714,7 +714,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     const int64_t query_rows = varlen.is_varlen() ? q.size(0) : q.size(0) * q.size(1);
     const int64_t sequences = varlen.is_varlen() ? varlen.cu_seqlens_q->size(0) - 1 : q.size(0);
     dq_accum_rows = DqAccumLayout::rows_for(query_rows, sequences);
-    // Followed by the sm90 dK/dV kernel's per-(batch, kv head) counters of finished CTAs and its tile
+    // Followed by the sm90 dK/dV kernel's per-(batch, kv head) counters of finished walks and its tile
     // counter (params.h, dkdv_finished and dkdv_tile_counter; one per 128-byte line, kFinishedCounterStride),
     // so that one memset zeroes them all.
     const int64_t accum_floats = q.size(-2) * dq_accum_rows * q.size(-1);

@@ -88,7 +88,7 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   // 1. The fp32 dQ accumulator zeroed, all of it (padding rows too): a memset runs at the copy bandwidth.
   //    D = rowsum(dO ∘ O) (and row_stats): preprocess_lanes_per_row threads per (query row, head).
   if (params.dq_accum != nullptr) {
-    // The sm90 kernel's counters of finished CTAs (params.dkdv_finished) and its tile counter follow the
+    // The sm90 kernel's counters of finished walks (params.dkdv_finished) and its tile counter follow the
     // floats: zeroed too.
     const size_t counter_bytes =
         params.dkdv_finished != nullptr

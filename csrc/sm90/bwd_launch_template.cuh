@@ -71,8 +71,9 @@ bool launch_dkdv(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
 template <Elem16 kElem, int kHeadDim>
 bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
   using Element = ElementOf<kElem>;
+  // The tile counter is zeroed with the finished-walk counters (sm80/bwd_launch_template.cuh): both needed.
   if (sm90_disabled() || params.dq_accum == nullptr || params.row_stats == nullptr ||
-      params.dkdv_tile_counter == nullptr || !device_is_sm90()) {
+      params.dkdv_finished == nullptr || params.dkdv_tile_counter == nullptr || !device_is_sm90()) {
     return false;
   }
   const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;

@@ -28,9 +28,9 @@ constexpr int bwd_keys_per_cta(int head_dim) { return head_dim > 128 ? 64 : 128;
 // Runs the backward's dK/dV kernel (between the sm80 launcher's preprocess and dQ conversion: dK, dV
 // written, dQ added into params.dq_accum) and returns true where the sm90 kernel takes the call: as the
 // forward's conditions, and deterministic = false (params.dq_accum and params.row_stats set). Returns
-// false, having launched nothing, otherwise (also without params.dkdv_tile_counter: its CTAs are persistent
-// and take tiles from it). Defined where has_bwd_kernel(kHeadDim). Each walk is counted
-// in params.dkdv_finished (where set) when done, for the dQ conversion's overlap (common/finished_walks.cuh).
+// false, having launched nothing, otherwise (also without params.dkdv_finished and dkdv_tile_counter: its
+// CTAs are persistent and take tiles from the latter). Defined where has_bwd_kernel(kHeadDim). Each walk is
+// counted in params.dkdv_finished when done, for the dQ conversion's overlap (common/finished_walks.cuh).
 template <Elem16 kElem, int kHeadDim>
 bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream);
 
