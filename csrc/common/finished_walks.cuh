@@ -25,7 +25,7 @@ namespace flash_ext {
 // After everything this CTA wrote for a walk: counts the walk as finished (thread 0, after a CTA barrier; the
 // release orders the whole CTA's earlier writes, which the barrier made happen before it, before the
 // increment).
-__device__ __forceinline__ void count_finished_cta(int* counter) {
+__device__ __forceinline__ void count_finished_walk(int* counter) {
   __syncthreads();
   if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
 }
@@ -37,7 +37,7 @@ __device__ __forceinline__ void count_finished_cta(int* counter) {
 // backward 5% slower in one device call; causal's backward later proved bimodal between repeats of one
 // build, so that may have been noise). A counter that never gets there would be a bug in the launcher's
 // arithmetic; rather than hang the process, the wait traps after ~10 seconds.
-__device__ __forceinline__ void wait_for_finished_ctas(const int* counter, int expected) {
+__device__ __forceinline__ void wait_for_finished_walks(const int* counter, int expected) {
   auto load_acquire = [&] {
     int value;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(counter) : "memory");
@@ -59,11 +59,11 @@ __device__ __forceinline__ void wait_for_finished_ctas(const int* counter, int e
 }
 
 // The dK/dV walks of one (batch, kv head) that are counted: those whose first key lies in the
-// sequence, i.e. ceil(len_k / keys_per_cta), at most the launched grid's key blocks (clamped, so that
+// sequence, i.e. ceil(len_k / keys_per_walk), at most the launched grid's key blocks (clamped, so that
 // lengths the grid does not cover cannot make the wait endless).
-__device__ __forceinline__ int counted_ctas(int64_t len_k, int keys_per_cta, int key_blocks_launched) {
+__device__ __forceinline__ int counted_walks(int64_t len_k, int keys_per_walk, int key_blocks_launched) {
   if (len_k <= 0) return 0;
-  const int64_t blocks = (len_k + keys_per_cta - 1) / keys_per_cta;
+  const int64_t blocks = (len_k + keys_per_walk - 1) / keys_per_walk;
   return blocks < key_blocks_launched ? static_cast<int>(blocks) : key_blocks_launched;
 }
 

@@ -562,10 +562,10 @@ __global__ void __launch_bounds__(Tile::kThreads)
 // Warp order: dense, batch, then head, then the sequence's row groups (row_groups per sequence): the order
 // in which the dK/dV kernel finishes them, for the overlap of finished_walks.cuh; variable-length, head, then
 // all row_groups of the accumulator (padding groups between sequences are read, not stored).
-// wait.keys_per_cta > 0: launched to overlap the sm90 dK/dV kernel, each warp first waits for its
+// wait.keys_per_walk > 0: launched to overlap the sm90 dK/dV kernel, each warp first waits for its
 // sequence's (batch, kv head) walks (params.dkdv_finished).
 struct DkDvWait {
-  int keys_per_cta = 0;        // the dK/dV kernel's keys per walk; 0: it has finished (no wait)
+  int keys_per_walk = 0;        // the dK/dV kernel's keys per walk; 0: it has finished (no wait)
   int key_blocks_launched = 0;  // its key blocks per (batch, kv head)
 };
 
@@ -615,11 +615,12 @@ __global__ void __launch_bounds__(256)
                 (params.is_varlen() ? (begin + row) * params.dq_strides.row
                                     : sequence * params.dq_strides.batch + row * params.dq_strides.row) +
                 head * params.dq_strides.head;
-  if (wait.keys_per_cta > 0) {
+  if (wait.keys_per_walk > 0) {
     const int kv_head = head / params.heads_per_kv();
     const int64_t counter = kFinishedCounterStride * (int64_t{sequence} * params.heads_kv + kv_head);
-    wait_for_finished_ctas(&params.dkdv_finished[counter],
-                           counted_ctas(params.key_span(sequence).length, wait.keys_per_cta, wait.key_blocks_launched));
+    wait_for_finished_walks(
+        &params.dkdv_finished[counter],
+        counted_walks(params.key_span(sequence).length, wait.keys_per_walk, wait.key_blocks_launched));
   }
 
   const DqAccumLayout layout{params.dq_accum_rows, kHeadDim};

@@ -171,8 +171,8 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
     overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     overlap.val.programmaticStreamSerializationAllowed = 1;
     if (dkdv_done && params.dkdv_finished != nullptr) {
-      wait.keys_per_cta = sm90::bwd_keys_per_cta(kHeadDim);
-      wait.key_blocks_launched = (params.seqlen_k + wait.keys_per_cta - 1) / wait.keys_per_cta;
+      wait.keys_per_walk = sm90::bwd_keys_per_walk(kHeadDim);
+      wait.key_blocks_launched = (params.seqlen_k + wait.keys_per_walk - 1) / wait.keys_per_walk;
       config.attrs = &overlap;
       config.numAttrs = 1;
     }

@@ -586,7 +586,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       }
       // Last: counted for the dQ conversion of this (batch, kv head)'s rows (finished_walks.cuh).
       if (params.dkdv_finished != nullptr) {
-        count_finished_cta(&params.dkdv_finished[kFinishedCounterStride * (batch * params.heads_kv + kv_head)]);
+        count_finished_walk(&params.dkdv_finished[kFinishedCounterStride * (batch * params.heads_kv + kv_head)]);
       }
     }
     tile = next_tile;

@@ -17,7 +17,7 @@ namespace flash_ext::sm90 {
 template <typename Element, typename Tile, typename Kernel>
 bool launch_dkdv(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
   constexpr int kHeadDim = Tile::kHeadDim;
-  static_assert(Tile::kBlockN == bwd_keys_per_cta(kHeadDim), "the dQ conversion counts CTAs by bwd_keys_per_cta");
+  static_assert(Tile::kBlockN == bwd_keys_per_walk(kHeadDim), "the dQ conversion counts walks by bwd_keys_per_walk");
   if (!has_sm90_code(kernel)) return false;
 
   // The tensors as TMA sees them (as in the forward): a variable-length batch is one packed batch entry.

@@ -22,8 +22,8 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream);
 
 // The head dims with an sm90 dK/dV kernel.
 constexpr bool has_bwd_kernel(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
-// Keys per CTA of the sm90 dK/dV kernel (BwdSm90Tile::kBlockN): what the dQ conversion counts its CTAs by.
-constexpr int bwd_keys_per_cta(int head_dim) { return head_dim > 128 ? 64 : 128; }
+// Keys per walk of the sm90 dK/dV kernel (BwdSm90Tile::kBlockN): what the dQ conversion counts its walks by.
+constexpr int bwd_keys_per_walk(int head_dim) { return head_dim > 128 ? 64 : 128; }
 
 // Runs the backward's dK/dV kernel (between the sm80 launcher's preprocess and dQ conversion: dK, dV
 // written, dQ added into params.dq_accum) and returns true where the sm90 kernel takes the call: as the
