@@ -87,6 +87,22 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_dst, const std::array<
 }
 #endif
 
+// Programmatic dependent launch (PDL, sm90+; no-ops on older GPUs, and where a kernel was launched without
+// cudaLaunchAttributeProgrammaticStreamSerialization). allow_dependent_launch: this CTA no longer holds back
+// the launch of the next kernel in the stream, if that one is a programmatic dependent (it starts once every
+// CTA of this grid has done this or exited). wait_for_prerequisite_grid: blocks until the previous kernel in
+// the stream has finished and its writes are visible; what a dependent does before it must not read them.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // D (16x8 fp32) += A (16x16, row-major) * B (16x8, column-major), 16-bit inputs.
 // Fragments, with g = lane/4, t = lane%4:
 //   A: a0 = (row g, cols 2t,2t+1), a1 = (row g+8, same), a2 = (row g, cols 2t+8,+9), a3 = (row g+8, same)

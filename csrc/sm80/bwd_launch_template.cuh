@@ -85,23 +85,20 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
   const int64_t rows_per_batch = params.is_varlen() ? params.lse_head_stride : params.seqlen_q;
   const int64_t num_rows = params.is_varlen() ? params.lse_head_stride : int64_t{params.batch} * params.seqlen_q;
 
-  // 1. The fp32 dQ accumulator zeroed, all of it (padding rows too): a memset runs at the copy bandwidth.
-  //    D = rowsum(dO ∘ O) (and row_stats): preprocess_lanes_per_row threads per (query row, head).
+  // 1. D = rowsum(dO ∘ O) (and row_stats): preprocess_lanes_per_row threads per (query row, head); the same
+  //    kernel zeroes the fp32 dQ accumulator, all of it (padding rows too), and the sm90 kernel's counters
+  //    of finished walks and its tile counter (params.dkdv_finished, dkdv_tile_counter), which follow the floats.
+  int64_t zero_floats = 0;
   if (params.dq_accum != nullptr) {
-    // The sm90 kernel's counters of finished walks (params.dkdv_finished) and its tile counter follow the
-    // floats: zeroed too.
-    const size_t counter_bytes =
-        params.dkdv_finished != nullptr
-            ? sizeof(int) * kFinishedCounterStride * (int64_t{params.batch} * params.heads_kv + 1)
-            : 0;
-    throw_on_cuda_error(
-        cudaMemsetAsync(params.dq_accum, 0,
-                        sizeof(float) * params.heads_q * params.dq_accum_rows * kHeadDim + counter_bytes, stream),
-        "zeroing the dQ accumulator");
+    zero_floats = int64_t{params.heads_q} * params.dq_accum_rows * kHeadDim;
+    if (params.dkdv_finished != nullptr) {
+      zero_floats += int64_t{kFinishedCounterStride} * (int64_t{params.batch} * params.heads_kv + 1);
+    }
   }
+  static_assert(kHeadDim % 4 == 0 && kFinishedCounterStride % 4 == 0, "the zeroed region is whole 16-byte chunks");
   const int64_t num_threads = num_rows * params.heads_q * preprocess_lanes_per_row(kHeadDim);
-  attention_bwd_preprocess_kernel<kHeadDim, Element>
-      <<<static_cast<unsigned>((num_threads + 255) / 256), 256, 0, stream>>>(params, rows_per_batch, num_rows);
+  attention_bwd_preprocess_kernel<kHeadDim, Element><<<static_cast<unsigned>((num_threads + 255) / 256), 256, 0, stream>>>(
+      params, rows_per_batch, num_rows, reinterpret_cast<float4*>(params.dq_accum), zero_floats / 4);
   throw_on_cuda_error(cudaGetLastError(), "launching the backward preprocess kernel");
 
   // 2. dK and dV, and with params.dq_accum the atomic dQ sums.

@@ -199,8 +199,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   auto bar_q_full = [&](int stage) { return bar_kv_full + 8 * (1 + stage); };
   int* release_count = reinterpret_cast<int*>(smem + Tile::kCounterOffset);
 
-  // The dQ conversion may start on SMs this grid leaves idle (common/finished_walks.cuh).
-  allow_dependent_launch();
   const int key_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
   const int num_tiles = key_blocks * params.heads_kv * params.batch;
   // The tile after walk r (thread 0 takes it from the counter during walk r's last step; read after its end).
@@ -224,9 +222,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     bulk_load(smem_base + Tile::kDOffset + stage * Tile::kStatBytes, stats + params.heads_q * params.dq_accum_rows,
               Tile::kStatBytes, bar_q_full(stage));
   };
-  // A walk's K, V and first query blocks (one thread, once no warp reads the buffers they go to). No TMA is
-  // issued for an empty walk (a CTA must not exit with copies into its shared memory in flight).
-  auto start_walk = [&](const BwdWalk<Tile>& walk, int steps_before) {
+  // A walk's K and V, and its first query blocks (one thread, once no warp reads the buffers they go to). No
+  // TMA is issued for an empty walk (a CTA must not exit with copies into its shared memory in flight).
+  auto load_keys = [&](const BwdWalk<Tile>& walk) {
     if (walk.num_steps == 0) return;
     const int key_row = static_cast<int>(walk.k_span.begin) + walk.first_key;
     const int tma_batch = params.is_varlen() ? 0 : walk.batch;
@@ -235,6 +233,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       tma_load_4d(smem_k + c * kBlockN * 128, &maps.k, bar_kv_full, c * 64, key_row, walk.kv_head, tma_batch);
       tma_load_4d(smem_v + c * kBlockN * 128, &maps.v, bar_kv_full, c * 64, key_row, walk.kv_head, tma_batch);
     }
+  };
+  auto load_first_query_blocks = [&](const BwdWalk<Tile>& walk, int steps_before) {
     for (int i = 0; i < min(walk.num_steps, kStages); ++i) load_query_block(walk, i, steps_before);
   };
   if (threadIdx.x == 0) {
@@ -246,11 +246,20 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     mbarrier_init_fence();
   }
   __syncthreads();
+  // Launched as a programmatic dependent of the preprocess (sm80/bwd_launch_template.cuh), this CTA may run
+  // before that kernel has finished: its set-up and the first K / V (inputs) go first; the query blocks'
+  // lse / D, the dQ accumulator and the counters (the preprocess's) only after the wait.
   if (threadIdx.x == 0) {
     prefetch_tensor_map(&maps.q);
     prefetch_tensor_map(&maps.dout);
-    start_walk(BwdWalk<Tile>(params, blockIdx.x, key_blocks), 0);
+    load_keys(BwdWalk<Tile>(params, blockIdx.x, key_blocks));
   }
+  wait_for_prerequisite_grid();
+  // The dQ conversion may start on SMs this grid leaves idle (common/finished_walks.cuh). Only now: before the
+  // wait, a conversion started early could read the finished-walk counters before the preprocess zeroed them
+  // (a reused buffer holds the last call's complete counts) and convert an accumulator still being zeroed.
+  allow_dependent_launch();
+  if (threadIdx.x == 0) load_first_query_blocks(BwdWalk<Tile>(params, blockIdx.x, key_blocks), 0);
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -552,7 +561,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
 
     // Every warp's wgmmas of this walk completed (its last wgmma_wait), so after this barrier no warp reads K,
     // V or a query-block buffer any more: thread 0 starts the next walk's loads, which land while this walk's
-    // dK / dV are stored.
+    // dK / dV are stored. Every warp has issued its dQ additions too: thread 0 then counts the walk for the
+    // dQ conversion (finished_walks.cuh), so that no warp waits for the dK / dV stores to complete (a
+    // release after them did, every walk).
     if (num_steps == 0) take_next_tile();
     if (kPersistent && threadIdx.x == 0) next_tile_slot[round % 2] = taken_tile;
     __syncthreads();
@@ -560,7 +571,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     if (num_steps > 0) kv_phase ^= 1;
     steps_before += num_steps;
     if (threadIdx.x == 0 && next_tile < num_tiles) {
-      start_walk(BwdWalk<Tile>(params, next_tile, key_blocks), steps_before);
+      const BwdWalk<Tile> next_walk(params, next_tile, key_blocks);
+      load_keys(next_walk);
+      load_first_query_blocks(next_walk, steps_before);
+    }
+    if (walk.has_keys && params.dkdv_finished != nullptr) {
+      count_finished_walk(&params.dkdv_finished[kFinishedCounterStride * (batch * params.heads_kv + kv_head)]);
     }
 
     if (walk.has_keys) {
@@ -583,10 +599,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
           *reinterpret_cast<uint32_t*>(dk + key * params.dk_strides.row + col) = pack_float2<Element>(
               acc_dk[j][2 * half] * params.softmax_scale, acc_dk[j][2 * half + 1] * params.softmax_scale);
         }
-      }
-      // Last: counted for the dQ conversion of this (batch, kv head)'s rows (finished_walks.cuh).
-      if (params.dkdv_finished != nullptr) {
-        count_finished_walk(&params.dkdv_finished[kFinishedCounterStride * (batch * params.heads_kv + kv_head)]);
       }
     }
     tile = next_tile;

@@ -58,14 +58,6 @@ __device__ __forceinline__ void claim_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
-// ---- programmatic dependent launch ----
-
-// This CTA no longer holds back the launch of the next kernel in the stream where that kernel was launched
-// as a programmatic dependent (it starts once every CTA of this grid has done this or exited).
-__device__ __forceinline__ void allow_dependent_launch() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
 // ---- TMA ----
 
 // A box of a 4-D tensor (coordinates innermost first: column, row, head, batch) into shared memory,
