@@ -26,6 +26,11 @@ HEADS, HEAD_DIM = 16, 128
 CASES = {
     "window": (1, 16384, dict(window_size=(1024, 0)), None),
     "window2": (1, 16384, dict(window_size=(1024, 1024)), None),
+    # Left windows of other widths: the same 2048 walks with 10 / 34 / 66 steps instead of 18, so that a
+    # straight line through the spans splits a walk's cost into its steps and a fixed part.
+    "window512": (1, 16384, dict(window_size=(512, 0)), None),
+    "window2048": (1, 16384, dict(window_size=(2048, 0)), None),
+    "window4096": (1, 16384, dict(window_size=(4096, 0)), None),
     "causal16k": (1, 16384, dict(causal=True), True),
     "plain8k": (2, 8192, dict(), False),
     "plain2k": (8, 2048, dict(), False),
