@@ -160,22 +160,13 @@ void run_attention_bwd(const BwdParams& params, cudaStream_t stream) {
     // After the sm90 kernel: launched as its programmatic dependent, to run on the SMs its persistent CTAs
     // leave as they run out of walks, each warp waiting for its own sequence's walks (common/finished_walks.cuh).
     DkDvWait wait;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>((num_warps + 7) / 8));
-    config.blockDim = dim3(256);
-    config.stream = stream;
-    cudaLaunchAttribute overlap;
-    overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    overlap.val.programmaticStreamSerializationAllowed = 1;
-    if (dkdv_done && params.dkdv_finished != nullptr) {
+    const bool overlap = dkdv_done && params.dkdv_finished != nullptr;
+    if (overlap) {
       wait.keys_per_walk = sm90::bwd_keys_per_walk(kHeadDim);
       wait.key_blocks_launched = (params.seqlen_k + wait.keys_per_walk - 1) / wait.keys_per_walk;
-      config.attrs = &overlap;
-      config.numAttrs = 1;
     }
-    throw_on_cuda_error(
-        cudaLaunchKernelEx(&config, attention_bwd_convert_dq_kernel<kHeadDim, Element>, params, row_groups, wait),
-        "launching the dQ conversion kernel");
+    launch_kernel(attention_bwd_convert_dq_kernel<kHeadDim, Element>, dim3(static_cast<unsigned>((num_warps + 7) / 8)),
+                  dim3(256), 0, stream, overlap, "launching the dQ conversion kernel", params, row_groups, wait);
   } else {
     const auto dq_kernel =
         extras ? attention_bwd_dq_kernel<DqTile, Element, true> : attention_bwd_dq_kernel<DqTile, Element, false>;

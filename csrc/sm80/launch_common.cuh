@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "launch.h"
 
@@ -27,6 +28,28 @@ template <typename Kernel>
 void set_smem_limit(Kernel kernel, size_t bytes, const char* name) {
   throw_on_cuda_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
                       (std::string("setting the shared memory size of ") + name).c_str());
+}
+
+// Launches kernel<<<grid, block, smem_bytes, stream>>>(args...); with `programmatic_dependent`, as a
+// programmatic dependent (PDL) of the kernel before it in the stream: it may start once every CTA of that
+// kernel has executed griddepcontrol.launch_dependents (or exited), and must call griddepcontrol.wait
+// before it reads what that kernel writes (common/ptx.cuh). Older GPUs ignore the attribute.
+template <typename... KernelArgs, typename... Args>
+void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                   bool programmatic_dependent, const char* what, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute dependent;
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  if (programmatic_dependent) {
+    config.attrs = &dependent;
+    config.numAttrs = 1;
+  }
+  throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), what);
 }
 
 inline void check_grid_limits(const FwdParams& params, const char* what) {

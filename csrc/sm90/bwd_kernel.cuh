@@ -222,8 +222,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     bulk_load(smem_base + Tile::kDOffset + stage * Tile::kStatBytes, stats + params.heads_q * params.dq_accum_rows,
               Tile::kStatBytes, bar_q_full(stage));
   };
-  // A walk's K and V, and its first query blocks (one thread, once no warp reads the buffers they go to). No
-  // TMA is issued for an empty walk (a CTA must not exit with copies into its shared memory in flight).
+  // A walk's K and V, then (load_first_query_blocks) its first query blocks: one thread, once no warp reads
+  // the buffers they go to. No TMA is issued for an empty walk (a CTA must not exit with copies into its
+  // shared memory in flight).
   auto load_keys = [&](const BwdWalk<Tile>& walk) {
     if (walk.num_steps == 0) return;
     const int key_row = static_cast<int>(walk.k_span.begin) + walk.first_key;

@@ -63,19 +63,10 @@ bool launch_dkdv(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
       "querying the sm90 dK/dV kernel's occupancy");
   const int64_t grid =
       Tile::kPersistent ? std::min<int64_t>(num_tiles, int64_t{num_sms} * std::max(ctas_per_sm, 1)) : num_tiles;
-  // As a programmatic dependent (PDL) of the preprocess, the kernel before it in the stream: its CTAs set up
-  // and load K / V under that kernel's tail, then wait for it (attention_bwd_dkdv_sm90_kernel).
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(grid));
-  config.blockDim = dim3(Tile::kThreads);
-  config.dynamicSmemBytes = Tile::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute overlap;
-  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  overlap.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &overlap;
-  config.numAttrs = 1;
-  throw_on_cuda_error(cudaLaunchKernelEx(&config, kernel, params, maps), "launching the sm90 dK/dV kernel");
+  // As a programmatic dependent of the preprocess, the kernel before it in the stream: its CTAs set up and
+  // load K / V under that kernel's tail, then wait for it (attention_bwd_dkdv_sm90_kernel).
+  launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(Tile::kThreads), Tile::kSmemBytes, stream,
+                /*programmatic_dependent=*/true, "launching the sm90 dK/dV kernel", params, maps);
   return true;
 }
 

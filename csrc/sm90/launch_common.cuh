@@ -15,6 +15,7 @@
 namespace flash_ext::sm90 {
 
 using sm80::ElementOf;
+using sm80::launch_kernel;
 using sm80::set_smem_limit;
 using sm80::throw_on_cuda_error;
 
