@@ -14,9 +14,12 @@ FLOPs count only the visible (query, key) pairs: 4 * heads * head_dim * pairs (b
 The window and softcap / ALiBi / dropout comparisons time their variants in turn, ROUNDS times over, and
 report each variant's median over the rounds: the same kernel's time moves by 2-3% between the minutes of
 one device call (clocks, temperature), and timed once each, a variant and its baseline could fall on
-different sides of such a move.
+different sides of such a move. --order abba times them in turn over 4 rounds, the order reversed every
+other round: with the fixed order the baseline (full / causal, the heavier load) always runs right before
+its band, whose time may carry that load's clock drop (stop 25 measured a backward 4% slower there than after
+lighter work); not yet compared on a GPU with the fixed order, which stays the default.
 
-    python benchmarks/bench_features.py [--json PATH]
+    python benchmarks/bench_features.py [--json PATH] [--only GROUPS] [--order fixed|abba]
 """
 import argparse
 import json
@@ -30,6 +33,11 @@ import flash_ext
 
 HEADS, HEAD_DIM, DTYPE = 16, 128, torch.bfloat16
 ROUNDS = 3
+ORDER = "fixed"  # or "abba" (main's --order)
+
+
+def rounds():
+    return 4 if ORDER == "abba" else ROUNDS
 
 
 def visible_pairs(len_q, len_k, window_left=-1, window_right=-1):
@@ -56,11 +64,14 @@ def time_fwd_bwd(call, inputs):
 
 
 def interleaved(calls, inputs):
-    """{name: (fwd_ms, bwd_ms)}: the median over ROUNDS rounds, each timing every call in turn."""
+    """{name: (fwd_ms, bwd_ms)}: the median over the rounds, each timing every call in turn (ORDER)."""
     times = {name: [] for name in calls}
-    for _ in range(ROUNDS):
-        for name, call in calls.items():
-            times[name].append(time_fwd_bwd(call, inputs))
+    for r in range(rounds()):
+        names = list(calls)
+        if ORDER == "abba" and r % 2 == 1:
+            names.reverse()
+        for name in names:
+            times[name].append(time_fwd_bwd(calls[name], inputs))
     return {name: tuple(statistics.median(t[i] for t in runs) for i in range(2)) for name, runs in times.items()}
 
 
@@ -113,9 +124,9 @@ def bench_window():
         full_pairs = visible_pairs(16384, 16384, -1, 0 if causal else -1)
         band_pairs = visible_pairs(16384, 16384, *window)
         full_rows = rows_for("dense", f"seqlen 16k causal={causal}", full_pairs, *ms["full"],
-                             causal=causal, seqlen=16384, rounds=ROUNDS)
+                             causal=causal, seqlen=16384, rounds=rounds(), order=ORDER)
         band_rows = rows_for("window", f"window {window} seqlen 16k", band_pairs, *ms["band"],
-                             window=list(window), seqlen=16384, rounds=ROUNDS)
+                             window=list(window), seqlen=16384, rounds=rounds(), order=ORDER)
         for f, b in zip(full_rows, band_rows):
             b["time_ratio_to_full"] = b["ms"] / f["ms"]
             b["area_ratio"] = band_pairs / full_pairs
@@ -137,7 +148,7 @@ def bench_score_mods():
                       for case, _, kwargs in variants}, inputs)
     plain = None
     for case, label, _ in variants:
-        new = rows_for(case, label + " seqlen 8k", pairs, *ms[case], seqlen=8192, rounds=ROUNDS)
+        new = rows_for(case, label + " seqlen 8k", pairs, *ms[case], seqlen=8192, rounds=rounds(), order=ORDER)
         if plain is None:
             plain = new
         else:
@@ -156,7 +167,11 @@ def main():
               "score_mods": bench_score_mods}
     parser.add_argument("--only", default=",".join(groups),
                         help="comma list of " + ",".join(groups) + " (default: all; score_mods: softcap, ALiBi, dropout)")
+    parser.add_argument("--order", choices=("fixed", "abba"), default="fixed",
+                        help="the order of a comparison's variants in its rounds (see above)")
     args = parser.parse_args()
+    global ORDER
+    ORDER = args.order
     chosen = args.only.split(",")
     unknown = [g for g in chosen if g not in groups]
     if unknown:
