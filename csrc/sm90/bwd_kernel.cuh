@@ -43,9 +43,11 @@
 namespace flash_ext::sm90 {
 
 // TMA descriptors of q and dout (boxes of 64 columns x kBlockM rows) and of k and v (x kBlockN rows); the
-// same 4-D (head_dim, rows, heads, batch) view as the forward's (a variable-length batch: batch 1).
+// same 4-D (head_dim, rows, heads, batch) view as the forward's (a variable-length batch: batch 1). dk and
+// dv (as k and v) where grads_by_tma: the launcher could describe them (BwdSm90Tile::kGradsByTma).
 struct BwdTensorMaps {
-  CUtensorMap q, dout, k, v;
+  CUtensorMap q, dout, k, v, dk, dv;
+  bool grads_by_tma;
 };
 
 // How the two warpgroups share a step's work (wgmma's M is 64 rows; a warpgroup's dK and dV accumulators,
@@ -101,6 +103,13 @@ struct BwdSm90Tile {
   static constexpr int kCounterOffset = kBarrierOffset + 8 * (1 + kStages);
   static constexpr int kNextTileOffset = kCounterOffset + 4 * kStages;  // 2 ints (persistent CTAs' next tiles)
   static constexpr int kSmemBytes = kNextTileOffset + 8;
+  // dK and dV leave through shared memory and TMA stores: 16-bit tiles in the Pᵀ / dSᵀ buffers (free between
+  // walks: dK over the two dSᵀ buffers, dV over the two Pᵀ ones, in K's layout). Stored from registers
+  // instead (4-byte stores, 8 rows x 16 bytes per warp instruction), they took ~5 us per walk at hd128,
+  // ~76 us of a window (1024, 0) backward (H200, stop 25: a build without them). Not at head_dim 256,
+  // whose 64 KB of dK / dV exceed the 32 KB of those buffers.
+  static constexpr int kGradBytes = kBlockN * kHeadDim * 2;  // dK or dV of the CTA's keys, 16 bits
+  static constexpr bool kGradsByTma = kGradBytes <= 2 * kDsBytes;
   static_assert(kSmemBytes <= 227 * 1024, "the sm90 dK/dV kernel's shared memory exceeds a CTA's 227 KB");
   // dQ's B operand (K, MN-major) is kDqCols columns inside one 64-column region, or whole regions.
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "the sm90 backward's head dims");
@@ -592,8 +601,41 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       count_finished_walk(&params.dkdv_finished[kFinishedCounterStride * (batch * params.heads_kv + kv_head)]);
     }
 
-    if (walk.has_keys) {
-      // dK = scale dSᵀ Q and dV: each thread writes keys thread_key (+ 8) and two columns per n-tile of the
+    // dK = scale dSᵀ Q and dV of keys first_key .. + valid_keys - 1. By TMA (BwdSm90Tile::kGradsByTma) from
+    // the Pᵀ / dSᵀ buffers: no wgmma reads them after the barrier above, and the next walk writes them first in
+    // its first step, after the barrier below. TMA clips a dense batch's last block at seqlen_k; a
+    // variable-length batch's partial block (its next rows are the next sequence's) is stored from registers.
+    const bool grads_by_tma =
+        Tile::kGradsByTma && maps.grads_by_tma && (walk.valid_keys == kBlockN || !params.is_varlen());
+    if (walk.has_keys && grads_by_tma) {
+      // 16 bits in K's layout, one stmatrix per 16 keys x 16 columns (as store_p_ds).
+      auto stage_grad = [&](const float (&acc)[kNTilesGrad][4], float scale, uint32_t tile) {
+#pragma unroll
+        for (int jj = 0; jj < kNTilesGrad / 2; ++jj) {
+          const int chunk = 2 * (jj % 4) + lane / 16;  // 16-byte chunk of the 64-column region jj / 4
+          stmatrix_x4(tile + (jj / 4) * kBlockN * 128 + ds_store_row * 128 + ((chunk ^ (ds_store_row % 8)) * 16),
+                      {pack_float2<Element>(acc[2 * jj][0] * scale, acc[2 * jj][1] * scale),
+                       pack_float2<Element>(acc[2 * jj][2] * scale, acc[2 * jj][3] * scale),
+                       pack_float2<Element>(acc[2 * jj + 1][0] * scale, acc[2 * jj + 1][1] * scale),
+                       pack_float2<Element>(acc[2 * jj + 1][2] * scale, acc[2 * jj + 1][3] * scale)});
+        }
+      };
+      stage_grad(acc_dk, params.softmax_scale, smem_ds(0));
+      stage_grad(acc_dv, 1.f, smem_p(0));
+      fence_async_shared();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const int key_row = static_cast<int>(walk.k_span.begin) + walk.first_key;
+        const int tma_batch = params.is_varlen() ? 0 : batch;
+        for (int c = 0; c < Tile::kColumnRegions; ++c) {
+          tma_store_4d(&maps.dk, smem_ds(0) + c * kBlockN * 128, c * 64, key_row, kv_head, tma_batch);
+          tma_store_4d(&maps.dv, smem_p(0) + c * kBlockN * 128, c * 64, key_row, kv_head, tma_batch);
+        }
+        bulk_commit_and_wait_reads();
+      }
+      __syncthreads();
+    } else if (walk.has_keys) {
+      // From registers: each thread writes keys thread_key (+ 8) and two columns per n-tile of the
       // warpgroup's columns.
       Element* dk =
           static_cast<Element*>(params.dk) + batch * params.dk_strides.batch + kv_head * params.dk_strides.head;

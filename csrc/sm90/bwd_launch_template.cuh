@@ -47,6 +47,15 @@ bool launch_dkdv(Kernel kernel, const BwdParams& params, cudaStream_t stream) {
                                                  kHeadDim)) {
     return false;
   }
+  // dK / dV by TMA stores where TMA can describe them too (else the kernel stores them from registers).
+  const TensorStrides dk_strides = with_unit_dims_filled(params.dk_strides, rows_k, params.heads_kv, batch, kHeadDim);
+  const TensorStrides dv_strides = with_unit_dims_filled(params.dv_strides, rows_k, params.heads_kv, batch, kHeadDim);
+  maps.grads_by_tma = Tile::kGradsByTma && tma_compatible(params.dk, dk_strides) &&
+                      tma_compatible(params.dv, dv_strides) &&
+                      encode_tensor_map<Element, Tile::kBlockN>(&maps.dk, params.dk, dk_strides, rows_k,
+                                                                params.heads_kv, batch, kHeadDim) &&
+                      encode_tensor_map<Element, Tile::kBlockN>(&maps.dv, params.dv, dv_strides, rows_k,
+                                                                params.heads_kv, batch, kHeadDim);
 
   set_smem_limit(kernel, Tile::kSmemBytes, "the sm90 dK/dV kernel");
   // Persistent: as many CTAs as fit at once (one per SM), or fewer where there are fewer tiles; they take

@@ -71,6 +71,21 @@ __device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const void* tenso
       : "memory");
 }
 
+// A box of a 4-D tensor from shared memory (in the layout tma_load_4d gives) to global memory, in this
+// thread's current bulk group; elements outside the tensor are not written. The shared memory may be
+// written again once bulk_commit_and_wait_reads() returned.
+__device__ __forceinline__ void tma_store_4d(const void* tensor_map, uint32_t smem_src, int col, int row, int head,
+                                             int batch) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   tensor_map), "r"(smem_src), "r"(col), "r"(row), "r"(head), "r"(batch)
+               : "memory");
+}
+// Closes this thread's current bulk group, then waits until every group it issued has read its source.
+__device__ __forceinline__ void bulk_commit_and_wait_reads() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
 // Asks the TMA unit to bring the same box into L2 only: no shared memory, no barrier, nothing to wait for.
 __device__ __forceinline__ void tma_prefetch_l2_4d(const void* tensor_map, int col, int row, int head, int batch) {
   asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(tensor_map), "r"(col),
