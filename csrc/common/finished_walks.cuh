@@ -25,12 +25,12 @@
 
 namespace flash_ext {
 
-// Counts a walk as finished (thread 0). Call it after a CTA barrier that every thread reached after its dQ
-// additions of the walk: the release orders the whole CTA's earlier writes, which the barrier made happen
-// before it, before the increment; writes after the barrier (dK / dV, which the conversion does not read)
-// are not waited for.
+// Counts a walk as finished (the calling thread: one per CTA and walk). Call it after a CTA barrier that every
+// thread reached after its dQ additions of the walk: the release orders the whole CTA's earlier writes, which
+// the barrier made happen before it, before the increment (the calling thread waits until they are performed);
+// writes after the barrier (dK / dV, which the conversion does not read) are not waited for.
 __device__ __forceinline__ void count_finished_walk(int* counter) {
-  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
 }
 
 // Waits (called by every lane of a warp) until *counter >= expected; then each lane has read the counter
