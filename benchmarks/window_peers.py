@@ -19,29 +19,12 @@ import json
 import statistics
 
 import torch
-from triton.testing import do_bench
+from bench_features import time_fwd_bwd, visible_pairs  # same timing and pair count as bench_features.py
 
 import flash_ext
 
 HEADS, HEAD_DIM, SEQLEN, DTYPE = 16, 128, 16384, torch.bfloat16
 ROUNDS = 4
-
-
-def visible_pairs(window_left, window_right, n=SEQLEN):
-    rows = torch.arange(n, dtype=torch.int64)
-    begin = (rows - window_left).clamp(0, n) if window_left >= 0 else torch.zeros_like(rows)
-    end = (rows + window_right + 1).clamp(0, n) if window_right >= 0 else torch.full_like(rows, n)
-    return int((end - begin).clamp(min=0).sum())
-
-
-def time_fwd_bwd(call, inputs):
-    timed = lambda fn, grads=None: do_bench(fn, warmup=25, rep=100, return_mode="median", grad_to_none=grads)  # noqa
-    with torch.no_grad():
-        fwd_ms = timed(lambda: call(*inputs))
-    out = call(*inputs)
-    dout = torch.randn_like(out)
-    bwd_ms = timed(lambda: out.backward(dout, retain_graph=True), grads=list(inputs))
-    return fwd_ms, bwd_ms
 
 
 def flash_ext_calls(window):
@@ -87,8 +70,8 @@ def main():
     rows = []
     for window in ((1024, 0), (1024, 1024)):
         full_name = "causal" if window[1] == 0 else "full"
-        band_pairs = visible_pairs(*window)
-        full_pairs = visible_pairs(-1, 0 if window[1] == 0 else -1)
+        band_pairs = visible_pairs(SEQLEN, SEQLEN, *window)
+        full_pairs = visible_pairs(SEQLEN, SEQLEN, -1, 0 if window[1] == 0 else -1)
         target = 1.2 * band_pairs / full_pairs
         for impl in impls:
             shape = (1, SEQLEN, HEADS, HEAD_DIM) if impl == "flash_ext" else (1, HEADS, SEQLEN, HEAD_DIM)
