@@ -10,9 +10,9 @@
 //
 // How: each walk of the dK/dV kernel (a key block of one (batch, kv head)) adds 1 to
 // BwdParams::dkdv_finished[kFinishedCounterStride * (batch * heads_kv + kv_head)] with release semantics after
-// its dQ additions (before its dK / dV stores, which the conversion does not read: a release after them made
-// every walk wait for them, ~0.5% of a window (1024, 0) backward's GPU time, stop 25); the conversion is launched as a programmatic
-// dependent (PDL) of the dK/dV kernel, so its CTAs start on the SMs that the kernel's persistent CTAs leave
+// its dQ additions (not after its dK / dV stores, which the conversion does not read: a release after them
+// made every walk wait for them, ~0.5% of a window (1024, 0) backward's GPU time, stop 25); the conversion is
+// launched as a programmatic dependent (PDL) of the dK/dV kernel, so its CTAs start on the SMs that the kernel's persistent CTAs leave
 // as they run out of walks, and each warp waits (acquire) until its sequence's counter holds that sequence's
 // walk count. PDL lets the dependent start only once every dK/dV CTA has started and passed its own wait for
 // the preprocess, which zeroes the counters (griddepcontrol.launch_dependents after griddepcontrol.wait in

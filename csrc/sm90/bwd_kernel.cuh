@@ -583,9 +583,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
 
     // Every warp's wgmmas of this walk completed (its last wgmma_wait), so after this barrier no warp reads K,
     // V or a query-block buffer any more: thread 0 starts the next walk's loads, which land while this walk's
-    // dK / dV are stored. Every warp has issued its dQ additions too: thread 0 then counts the walk for the
-    // dQ conversion (finished_walks.cuh), so that no warp waits for the dK / dV stores to complete (a
-    // release after them did, every walk).
+    // dK / dV are stored. Every warp has issued its dQ additions too, so from here on the walk may be counted
+    // for the dQ conversion (finished_walks.cuh; below), without waiting for the dK / dV stores (a release
+    // after them did, every walk).
     if (num_steps == 0) take_next_tile();
     if (kPersistent && threadIdx.x == 0) next_tile_slot[round % 2] = taken_tile;
     __syncthreads();
