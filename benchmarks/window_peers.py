@@ -16,15 +16,13 @@ retained graph). FlexAttention's first calls compile (about a minute per mask, f
 """
 import argparse
 import json
-import statistics
 
 import torch
-from bench_features import time_fwd_bwd, visible_pairs  # same timing and pair count as bench_features.py
+from bench_features import interleaved, visible_pairs  # the same rounds, timing and pair count
 
 import flash_ext
 
 HEADS, HEAD_DIM, SEQLEN, DTYPE = 16, 128, 16384, torch.bfloat16
-ROUNDS = 4
 
 
 def flash_ext_calls(window):
@@ -77,12 +75,7 @@ def main():
             shape = (1, SEQLEN, HEADS, HEAD_DIM) if impl == "flash_ext" else (1, HEADS, SEQLEN, HEAD_DIM)
             inputs = [torch.randn(shape, device="cuda", dtype=DTYPE, requires_grad=True) for _ in range(3)]
             band, full = makers[impl](window)
-            times = {"band": [], "full": []}
-            for r in range(ROUNDS):
-                order = ("full", "band") if r % 2 == 0 else ("band", "full")
-                for name in order:
-                    times[name].append(time_fwd_bwd(band if name == "band" else full, inputs))
-            med = {name: [statistics.median(t[i] for t in runs) for i in range(2)] for name, runs in times.items()}
+            med = interleaved({"full": full, "band": band}, inputs)  # bench_features' default abba rounds
             for i, op in enumerate(("fwd", "bwd")):
                 factor = 1.0 if op == "fwd" else 2.5
                 ratio = med["band"][i] / med["full"][i]
