@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -672,6 +674,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda_impl(const at::Tensor& q
   return result();
 }
 
+// FLASH_EXT_DEBUG_POISON_SCRATCH=1: the backward's fp32 dQ accumulator is filled with NaN before use (a test
+// aid: read on every call, so a test may set it at any time).
+bool debug_poison_scratch() {
+  const char* value = std::getenv("FLASH_EXT_DEBUG_POISON_SCRATCH");
+  return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
 // The backward on CUDA, dense or varlen (shapes as in fwd_cuda_impl).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& dout_in, const at::Tensor& q_in,
                                                              const at::Tensor& k_in, const at::Tensor& v_in,
@@ -720,6 +729,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda_impl(const at::Tensor& d
     const int64_t accum_floats = q.size(-2) * dq_accum_rows * q.size(-1);
     const int64_t counter_ints = (sequences * k.size(-2) + 1) * kFinishedCounterStride;
     dq_accum = at::empty({accum_floats + counter_ints}, q.options().dtype(at::kFloat));
+    // FLASH_EXT_DEBUG_POISON_SCRATCH=1 (the tests set it: tests/conftest.py) fills it with NaN first, so that
+    // a row the backward's zeroing missed (the preprocess kernel's) shows in dq rather than passing on a
+    // fresh allocation's zeros.
+    if (debug_poison_scratch()) dq_accum.fill_(std::numeric_limits<float>::quiet_NaN());
     row_stats = at::empty({2, q.size(-2), dq_accum_rows}, q.options().dtype(at::kFloat));
   }
 

@@ -12,6 +12,11 @@ import zlib
 import pytest
 import torch
 
+# Every CUDA backward in the tests starts from a NaN-filled fp32 dQ accumulator (csrc/flash_api.cpp,
+# debug_poison_scratch), so that a row whose zeroing was missed or came late fails the gradient checks
+# instead of passing on a fresh allocation's zeros.
+os.environ.setdefault("FLASH_EXT_DEBUG_POISON_SCRATCH", "1")
+
 
 def pytest_configure(config):
     # Also declared in pyproject.toml; repeated here so a copy of tests/ runs without it.
