@@ -43,15 +43,16 @@ def test_python_philox_known_answers(counter, key, expected):
 def keep_by_the_documented_mapping(seed, offset, batch_head, row, col, dropout_p):
     """csrc/common/philox.h's mapping, step by step."""
     stream = (offset + batch_head) & 0xFFFFFFFFFFFFFFFF
-    counter = (col // 4, row, stream & MASK32, stream >> 32)
+    counter = (col // 8, row, stream & MASK32, stream >> 32)
     key = (seed & MASK32, seed >> 32)
-    word = philox4x32_10(counter, key)[col % 4]
-    return word >= int(dropout_p * 2**32)
+    word = philox4x32_10(counter, key)[col % 8 // 2]
+    bits = (word >> (16 * (col % 2))) & 0xFFFF
+    return bits >= int(dropout_p * 2**16)
 
 
 @pytest.mark.parametrize("seed,offset", [(0, 0), (42, 4), (2**64 - 5, 2**32 + 12), (0x0123456789ABCDEF, 2**64 - 1)])
 def test_keep_mask_follows_the_documented_mapping(seed, offset):
-    batch, heads, seqlen_q, seqlen_k, dropout_p = 2, 3, 5, 11, 0.4
+    batch, heads, seqlen_q, seqlen_k, dropout_p = 2, 3, 5, 19, 0.4
     mask = dropout_keep_mask((seed, offset), batch, heads, seqlen_q, seqlen_k, dropout_p)
     assert mask.dtype == torch.bool and mask.shape == (batch, heads, seqlen_q, seqlen_k)
     for b in range(batch):
@@ -70,8 +71,8 @@ def test_dropped_fraction_is_p():
     assert abs(dropped - dropout_p) < 0.01, dropped
     per_head = 1 - mask.double().mean(dim=(2, 3))
     assert (per_head - dropout_p).abs().max() < 0.01, per_head
-    # No structure along the columns (4 columns share one Philox call): each residue mod 4 drops p.
-    per_residue = 1 - mask.view(4, 8, 512, 128, 4).double().mean(dim=(0, 1, 2, 3))
+    # No structure along the columns (8 columns share one Philox call): each residue mod 8 drops p.
+    per_residue = 1 - mask.view(4, 8, 512, 64, 8).double().mean(dim=(0, 1, 2, 3))
     assert (per_residue - dropout_p).abs().max() < 0.01, per_residue
 
 

@@ -8,18 +8,22 @@
 // order. The CPU path (csrc/cpu) and the CUDA kernels call the functions below, so they drop the
 // same elements for the same seed and offset.
 //
-// Mapping (one Philox call = 4 random words = 4 consecutive columns of one row):
+// Mapping (one Philox call = 4 random words = 8 consecutive columns of one row, 16 bits each):
 //
 //   stream  = offset + batch * heads_q + head                  (uint64, wraps)
 //   key     = (seed & 0xffffffff,  seed >> 32)
-//   counter = (column / 4,  row,  stream & 0xffffffff,  stream >> 32)
-//   word i of philox4x32_10(counter, key) decides column 4 * (column / 4) + i
-//   the element is dropped  iff  word < drop_threshold,  drop_threshold = floor(dropout_p * 2^32)
+//   counter = (column / 8,  row,  stream & 0xffffffff,  stream >> 32)
+//   word i of philox4x32_10(counter, key): its low 16 bits decide column 8 * (column / 8) + 2 i,
+//     its high 16 bits column 8 * (column / 8) + 2 i + 1
+//   the element is dropped  iff  its 16 bits < drop_threshold,  drop_threshold = floor(dropout_p * 2^16)
 //
+// 16 bits per element rather than a word: half the Philox calls per probability (the kernels' dropout
+// cost is mostly Philox rounds: with a word per element the hd128 forward with dropout took 2.5x the
+// plain one, H200, stop 26), with p still resolved to 2^-16.
 // row and column are positions inside the element's own sequence (for variable-length batches,
 // `batch` is the index of the sequence), so the decision does not depend on the other sequences'
-// lengths nor on the tile sizes. Distinct (stream, row, column / 4) give distinct counters while
-// row < 2^32 and column < 2^34.
+// lengths nor on the tile sizes. Distinct (stream, row, column / 8) give distinct counters while
+// row < 2^32 and column < 2^35.
 //
 // Where seed and offset come from (torch's default generator of the tensors' device, so that
 // torch.manual_seed reproduces a run):
@@ -78,7 +82,9 @@ FLASH_EXT_HOST_DEVICE inline PhiloxWords philox4x32_10(PhiloxWords counter, uint
   return counter;
 }
 
-// The 4 random words of columns 4 * column_group .. 4 * column_group + 3 of `row` of one
+constexpr int kDropoutColumnsPerCall = 8;  // columns decided by one Philox call
+
+// The 4 random words of columns 8 * column_group .. 8 * column_group + 7 of `row` of one
 // (batch, head): see the mapping at the top of this file.
 FLASH_EXT_HOST_DEVICE inline PhiloxWords dropout_random_words(uint64_t seed, uint64_t offset, uint64_t batch_head,
                                                               uint64_t row, uint64_t column_group) {
@@ -88,22 +94,21 @@ FLASH_EXT_HOST_DEVICE inline PhiloxWords dropout_random_words(uint64_t seed, uin
   return philox4x32_10(counter, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
 
-// A random word below the threshold drops its element. floor(p * 2^32) makes the drop probability
-// p to within 2^-32. Host-side (double precision); p must be in [0, 1).
-inline uint32_t dropout_drop_threshold(double dropout_p) {
-  return static_cast<uint32_t>(dropout_p * 4294967296.0);
-}
+// 16 random bits below the threshold drop their element. floor(p * 2^16) makes the drop probability
+// p to within 2^-16. Host-side (double precision); p must be in [0, 1).
+inline uint32_t dropout_drop_threshold(double dropout_p) { return static_cast<uint32_t>(dropout_p * 65536.0); }
 
-FLASH_EXT_HOST_DEVICE inline bool dropout_keeps(uint32_t random_word, uint32_t drop_threshold) {
-  return random_word >= drop_threshold;
+// Whether column 8 * column_group + i (i < 8) of the call's `words` is kept.
+FLASH_EXT_HOST_DEVICE inline bool dropout_keeps(const PhiloxWords& words, int i, uint32_t drop_threshold) {
+  return (words.w[i / 2] >> (16 * (i % 2)) & 0xffffu) >= drop_threshold;
 }
 
 // Whether element (row, column) of (batch, head) is kept: one element at a time. Kernels and the
-// CPU loops call dropout_random_words once per 4 columns instead.
+// CPU loops call dropout_random_words once per 8 columns instead.
 FLASH_EXT_HOST_DEVICE inline bool dropout_keeps_element(uint64_t seed, uint64_t offset, uint32_t drop_threshold,
                                                         uint64_t batch_head, uint64_t row, uint64_t column) {
-  const PhiloxWords words = dropout_random_words(seed, offset, batch_head, row, column / 4);
-  return dropout_keeps(words.w[column % 4], drop_threshold);
+  const PhiloxWords words = dropout_random_words(seed, offset, batch_head, row, column / kDropoutColumnsPerCall);
+  return dropout_keeps(words, static_cast<int>(column % kDropoutColumnsPerCall), drop_threshold);
 }
 
 // The seed and offset of a call: the values in params, or read from device memory (see

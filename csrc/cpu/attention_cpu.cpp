@@ -571,12 +571,13 @@ void attention_bwd(const BwdParams& p) {
 
 void fill_dropout_keep_flags(uint64_t seed, uint64_t offset, uint32_t drop_threshold, uint64_t batch_head,
                              int64_t row, int64_t col_begin, int64_t col_end, uint8_t* keep) {
-  // One Philox call per group of 4 columns; the range's first and last groups may be partial.
-  for (int64_t group = col_begin / 4; group * 4 < col_end; ++group) {
+  // One Philox call per group of 8 columns; the range's first and last groups may be partial.
+  constexpr int kColumns = kDropoutColumnsPerCall;
+  for (int64_t group = col_begin / kColumns; group * kColumns < col_end; ++group) {
     const PhiloxWords words = dropout_random_words(seed, offset, batch_head, row, group);
-    for (int i = 0; i < 4; ++i) {
-      const int64_t col = group * 4 + i;
-      if (col >= col_begin && col < col_end) keep[col - col_begin] = dropout_keeps(words.w[i], drop_threshold);
+    for (int i = 0; i < kColumns; ++i) {
+      const int64_t col = group * kColumns + i;
+      if (col >= col_begin && col < col_end) keep[col - col_begin] = dropout_keeps(words, i, drop_threshold);
     }
   }
 }
