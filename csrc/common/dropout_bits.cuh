@@ -48,14 +48,14 @@ __device__ __forceinline__ uint32_t row_keep_bits(const PhiloxSeedOffset& rng, u
       bits_for[t] |= pair << (2 * nj);
     }
   }
+  // bits_for[t] by selects: indexed by a lane-dependent t, the array would live in local memory.
+  auto bits_of = [&](int t) { return t == 0 ? bits_for[0] : t == 1 ? bits_for[1] : t == 2 ? bits_for[2] : bits_for[3]; };
   // Round r: each lane sends quad lane (its own + r) % 4 that lane's bits, and receives its own from
   // quad lane (its own - r) % 4.
-  uint32_t bits = quad_lane == 0 ? bits_for[0] : quad_lane == 1 ? bits_for[1] : quad_lane == 2 ? bits_for[2] : bits_for[3];
+  uint32_t bits = bits_of(quad_lane);
 #pragma unroll
   for (int r = 1; r < 4; ++r) {
-    const int to = (quad_lane + r) & 3;
-    const uint32_t sent = to == 0 ? bits_for[0] : to == 1 ? bits_for[1] : to == 2 ? bits_for[2] : bits_for[3];
-    bits |= __shfl_sync(0xffffffff, sent, (lane & ~3) | ((quad_lane - r) & 3));
+    bits |= __shfl_sync(0xffffffff, bits_of((quad_lane + r) & 3), (lane & ~3) | ((quad_lane - r) & 3));
   }
   return bits;
 }
