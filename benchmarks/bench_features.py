@@ -9,7 +9,8 @@ the plain kernel it should be measured against (issue targets in parentheses):
   alibi    per-head slopes, same shape (<= 15% slower)
   dropout  dropout_p=0.17, same shape (no target: reported)
 
-bf16, head_dim 128, 16 heads; fwd and bwd (deterministic=False) timed with triton's do_bench median.
+bf16, head_dim 128, 16 heads (--head-dim D: heads = 2048 / D; the targets are stated at head_dim 128); fwd and
+bwd (deterministic=False) timed with triton's do_bench median.
 FLOPs count only the visible (query, key) pairs: 4 * heads * head_dim * pairs (bwd 2.5x).
 The window and softcap / ALiBi / dropout comparisons time their variants in turn, ROUNDS times over, and
 report each variant's median over the rounds: the same kernel's time moves by 2-3% between the minutes of
@@ -20,7 +21,7 @@ causal, the heavier load) right before its band, whose time then carries that lo
 device call (H200, stop 26) the window (1024, 0) backward measured 0.171x / 0.166x of causal in fixed order
 and 0.169x / 0.161x in abba order, for two builds.
 
-    python benchmarks/bench_features.py [--json PATH] [--only GROUPS] [--order fixed|abba]
+    python benchmarks/bench_features.py [--json PATH] [--only GROUPS] [--order fixed|abba] [--head-dim D]
 """
 import argparse
 import json
@@ -162,6 +163,7 @@ def bench_score_mods():
 
 
 def main():
+    global ORDER, HEAD_DIM, HEADS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows here")
     groups = {"varlen": lambda: bench_varlen(False) + bench_varlen(True), "window": bench_window,
@@ -170,9 +172,11 @@ def main():
                         help="comma list of " + ",".join(groups) + " (default: all; score_mods: softcap, ALiBi, dropout)")
     parser.add_argument("--order", choices=("abba", "fixed"), default="abba",
                         help="the order of a comparison's variants in its rounds (see above)")
+    parser.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=HEAD_DIM,
+                        help="head dim of every case; heads = 2048 / head dim (default 128)")
     args = parser.parse_args()
-    global ORDER
     ORDER = args.order
+    HEAD_DIM, HEADS = args.head_dim, 2048 // args.head_dim
     chosen = args.only.split(",")
     unknown = [g for g in chosen if g not in groups]
     if unknown:

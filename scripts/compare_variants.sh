@@ -16,7 +16,8 @@
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
 # At most 7 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
-# TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all).
+# TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all), FEATURE_ARGS (more
+# bench_features.py arguments, e.g. "--head-dim 64").
 set -uo pipefail
 
 OUT=${OUT:-/tmp/flash_ext_out}
@@ -72,7 +73,9 @@ measure() {  # name dir
     PYTHONPATH="$PWD" timeout 300 "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" 2>&1 |
       grep -E "^(op |-{8}|fwd |bwd |fwd_bwd |TFLOP)"
     if [ "$FEATURES" = 1 ]; then
-      PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/bench_features.py --only "$FEATURE_GROUPS" 2>&1 | grep -vE "^\s*$"
+      # shellcheck disable=SC2086  # FEATURE_ARGS: words
+      PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/bench_features.py --only "$FEATURE_GROUPS" ${FEATURE_ARGS:-} 2>&1 |
+        grep -vE "^\s*$"
     fi
     # The per-kernel times and the span per call of each case, twice; not the timeline's per-kernel lines.
     spans() {
