@@ -215,8 +215,11 @@ EOF
     sanitize_status=""
     local tool tool_rc
     for tool in memcheck racecheck; do
+      # racecheck tracks every shared-memory access: the cases take it ~150 s (memcheck ~15 s).
+      local tool_budget=120
+      [ "$tool" = racecheck ] && tool_budget=300
       set +e
-      PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 "$(min 120 $(($(remaining) - 60)))" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 "$(min $tool_budget $(($(remaining) - 60)))" compute-sanitizer --tool "$tool" --error-exitcode 9 \
         "$PY" scripts/sanitize.py >>"$OUT/sanitize.log" 2>&1
       tool_rc=$?
       set -e

@@ -7,6 +7,7 @@ wrong answer does not pass.
     compute-sanitizer --tool racecheck python3 scripts/sanitize.py
 """
 import os
+import time
 
 import torch
 
@@ -31,6 +32,7 @@ cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal
 # Cases run with the sm80 kernels on Hopper too (FLASH_EXT_DISABLE_SM90): the split walks are theirs.
 SM80_CASES = {(1, 512, 200, 4, 2, 128, False)}
 for batch, sq, sk, hq, hkv, hd, causal in cases:
+    started = time.monotonic()
     os.environ["FLASH_EXT_DISABLE_SM90"] = "1" if (batch, sq, sk, hq, hkv, hd, causal) in SM80_CASES else "0"
     q = torch.randn(batch, sq, hq, hd, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, sk, hkv, hd, device="cuda", dtype=torch.bfloat16)
@@ -50,6 +52,8 @@ for batch, sq, sk, hq, hkv, hd, causal in cases:
             err = (grad.double() - ref_grad).abs().max().item()
             bound = 0.05 * max(1.0, ref_grad.abs().max().item())
             assert err < bound, f"case {(batch, sq, sk, hq, hkv, hd, causal)}, deterministic={deterministic}: {name} error {err}"
+    # Under racecheck a case takes seconds to minutes: the times show which one a timeout cut short.
+    print(f"case {(batch, sq, sk, hq, hkv, hd, causal)} ok in {time.monotonic() - started:.1f} s", flush=True)
 
 # The persistent sm90 forward (hd128 windows): 16 heads x 9 row blocks = 144 tiles for at most 132 CTAs, so
 # some CTAs walk two tiles through the same buffers; rows 0..399 see no key (tiles skipped, written as empty).

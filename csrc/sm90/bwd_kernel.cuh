@@ -14,14 +14,19 @@
 //   dQ = dS K for half of the head dim (A = dS read transposed from the stored dSᵀ of both warpgroups,
 //     handed over by named barriers, B = K), waited for at the start of the next step and added to the
 //     fp32 dQ accumulator with 16-byte atomics (common/dq_accum_layout.h).
-// Q, dO and the block's lse log2(e) / D arrive by TMA in one of kStages buffers; as in the forward, thread
-// 0 issues K, V and the first blocks, and the last of the 8 warps done with a buffer reloads it.
+// Q, dO and the block's lse log2(e) / D arrive by TMA in one of kStages buffers.
 // Persistent (plain attention; BwdSm90Tile::kPersistent): one CTA per SM takes tiles (BwdWalk) from a counter
-// until none is left. Once every warp is done
-// with a walk's shared memory, thread 0 issues the next walk's K, V and first query blocks, and their loads
-// land while the warps store this walk's dK / dV and count it as finished: the next walk then starts on a
-// full pipeline, without a CTA's launch and set-up in between (a window's walk is short: 18 steps at
-// (1024, 0), hd128).
+// until none is left, warp-specialised as FlashAttention-3: a producer warpgroup (registers given to the
+// other two, setmaxnreg) issues every TMA load, waiting until the consumers released the buffer (named
+// barriers for the query buffers, mbarriers for K, V and the next tile's slot), and runs ahead across walk
+// boundaries: it takes the next tile once it has issued this walk's last
+// query block (about kStages steps before the walk ends), loads the next walk's first query block as soon as
+// a buffer is free, its V once the last dPᵀ completed and its K once the last dQ did. So the next walk's
+// operands are landing while the consumers finish this walk and store its dK / dV. (Before, consumer thread 0
+// issued the next walk's ~26 loads after the walk's last wgmma, ~3400 cycles on the staging's critical path,
+// and the loads' latency, ~7500 cycles, was the walk boundary's: H200, stop 26's phase stamps.)
+// Otherwise (softcap / ALiBi / dropout, short of registers for 240 each) a CTA per walk of 8 warps: thread 0
+// issues K, V and the first blocks, and the last of the 8 warps done with a buffer reloads it.
 // Shared tiles are in the 128-byte swizzled layout (ptx_sm90.cuh, swizzle128_descriptor).
 #pragma once
 
@@ -72,10 +77,15 @@ struct BwdSm90Tile {
   // variants, short of registers, keep a CTA per walk: persistent, they spilled more (hd128 dropout 100 ->
   // 172 B) and ran no faster (softcap, ALiBi) or 8-11% slower (dropout) at 8k (H200, stop 24).
   static constexpr bool kPersistent = !kExtras;
+  // The consumers (two warpgroups); the persistent kernel adds a producer warpgroup (threads 256 .. 383).
+  static constexpr int kWarps = 8;
+  static constexpr int kConsumerThreads = kWarps * 32;
+  static constexpr int kThreads = kConsumerThreads + (kPersistent ? 128 : 0);
+  // setmaxnreg: 24 x 128 + 240 x 256 = 64512 of the SM's 65536 registers (the launch gives 168 each).
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
   static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM / 2 : kBlockM;  // a warpgroup's Sᵀ columns
   static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / 2 : kHeadDim;    // its dK / dV columns
-  static constexpr int kWarps = 8;
-  static constexpr int kThreads = kWarps * 32;
   static constexpr int kColumnRegions = kHeadDim / 64;  // 64 16-bit columns = one 128-byte row
   static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / 2;  // dQ columns per warpgroup
   static constexpr int kKvBytes = kBlockN * kHeadDim * 2;
@@ -89,9 +99,9 @@ struct BwdSm90Tile {
   // in 224 KB (hd128: 64 + 3 x 32 + 2 x 2 x 16 KB; hd64 with 64-query steps: 144 KB), else two (hd256: 64 +
   // 2 x 64 + 2 x 2 x 8 KB; hd64 with 128-query steps: 32 + 2 x 32 + 2 x 2 x 32 KB).
   static constexpr int kStages = 2 * kKvBytes + 3 * 2 * kQBytes + 4 * kDsBytes <= 224 * 1024 ? 3 : 2;
-  // K, V, Q[stage], dO[stage], dSᵀ[2], Pᵀ[2], lse[stage], D[stage], the mbarriers (K and V, Q[stage]), the
-  // release counters and the next tiles' slots, from the 1024-byte aligned base (the swizzle is computed from
-  // absolute addresses).
+  // K, V, Q[stage], dO[stage], dSᵀ[2], Pᵀ[2], lse[stage], D[stage], the mbarriers (K and V full, Q full
+  // [stage]; persistent: K empty, V empty), the release counters and the
+  // next tiles' slots, from the 1024-byte aligned base (the swizzle is computed from absolute addresses).
   static constexpr int kVOffset = kKvBytes;
   static constexpr int kQOffset = 2 * kKvBytes;
   static constexpr int kDoutOffset = kQOffset + kStages * kQBytes;
@@ -100,7 +110,8 @@ struct BwdSm90Tile {
   static constexpr int kLseOffset = kPOffset + 2 * kDsBytes;
   static constexpr int kDOffset = kLseOffset + kStages * kStatBytes;
   static constexpr int kBarrierOffset = kDOffset + kStages * kStatBytes;
-  static constexpr int kCounterOffset = kBarrierOffset + 8 * (1 + kStages);
+  static constexpr int kBarriers = 1 + kStages + (kPersistent ? 2 : 0);
+  static constexpr int kCounterOffset = kBarrierOffset + 8 * kBarriers;
   static constexpr int kNextTileOffset = kCounterOffset + 4 * kStages;  // 2 ints (persistent CTAs' next tiles)
   static constexpr int kSmemBytes = kNextTileOffset + 8;
   // dK and dV leave through shared memory and TMA stores: 16-bit tiles in the Pᵀ / dSᵀ buffers (free between
@@ -188,7 +199,11 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr int kStages = Tile::kStages;
   constexpr int kNTilesS = Tile::kScoreQueries / 8;  // a warpgroup's Sᵀ: 64 keys x kScoreQueries queries
   constexpr int kNTilesGrad = Tile::kGradCols / 8;   // dK, dV: 64 keys x kGradCols
-  constexpr int kNTilesDq = Tile::kDqCols / 8;  // dQ: 64 queries x kDqCols
+  // dQ: 64 queries x kDqCols, computed in kDqParts parts of kDqCols / kDqParts columns. Two in the persistent
+  // kernel, whose consumers have 240 registers: with the whole dQ in flight beside Sᵀ / dPᵀ, the accumulators
+  // alone took 224 of them and ptxas serialised the wgmmas (C7512) and spilled 152 bytes (hd128).
+  constexpr int kDqParts = kPersistent ? 2 : 1;
+  constexpr int kNTilesDq = Tile::kDqCols / kDqParts / 8;
 
   // Declared 1024-byte aligned, the period of the 128-byte swizzle (computed from absolute addresses), so
   // that no slack is needed to align it (at hd64 with 128-query steps the tiles take all but 32 bytes of
@@ -206,12 +221,16 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   const float* stat_d = reinterpret_cast<const float*>(smem + Tile::kDOffset);
   const uint32_t bar_kv_full = smem_base + Tile::kBarrierOffset;
   auto bar_q_full = [&](int stage) { return bar_kv_full + 8 * (1 + stage); };
+  // Persistent only: the consumers' releases of K and V (8 warps each).
+  const uint32_t bar_k_empty = bar_kv_full + 8 * (1 + kStages);
+  const uint32_t bar_v_empty = bar_k_empty + 8;
   int* release_count = reinterpret_cast<int*>(smem + Tile::kCounterOffset);
 
   const int key_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
   const int num_tiles = key_blocks * params.heads_kv * params.batch;
-  // The tile after walk r (thread 0 takes it from the counter during walk r's last step; read after its end).
-  int* next_tile_slot = reinterpret_cast<int*>(smem + Tile::kNextTileOffset);  // [r % 2]
+  // Persistent: the tile of walk r >= 1 in slot r % 2, handed from the producer warp to the consumers at named
+  // barriers (below: full, then free again once read; walks without steps let the producer run ahead).
+  int* next_tile_slot = reinterpret_cast<int*>(smem + Tile::kNextTileOffset);
 
   // Q, dO, lse log2(e) and D of step i of `walk` into buffer g % kStages, g = i + the CTA's steps before the
   // walk (one thread).
@@ -231,46 +250,150 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     bulk_load(smem_base + Tile::kDOffset + stage * Tile::kStatBytes, stats + params.heads_q * params.dq_accum_rows,
               Tile::kStatBytes, bar_q_full(stage));
   };
-  // A walk's K and V, then (load_first_query_blocks) its first query blocks: one thread, once no warp reads
-  // the buffers they go to. No TMA is issued for an empty walk (a CTA must not exit with copies into its
-  // shared memory in flight).
-  auto load_keys = [&](const BwdWalk<Tile>& walk) {
-    if (walk.num_steps == 0) return;
+  // A walk's V or K (one thread; both complete bar_kv_full, whose expected bytes load_values announces). No
+  // TMA is issued for an empty walk (a CTA must not exit with copies into its shared memory in flight).
+  auto load_key_tile = [&](const BwdWalk<Tile>& walk, const CUtensorMap* map, uint32_t tile) {
     const int key_row = static_cast<int>(walk.k_span.begin) + walk.first_key;
     const int tma_batch = params.is_varlen() ? 0 : walk.batch;
-    mbarrier_arrive_expect_bytes(bar_kv_full, 2 * Tile::kKvBytes);
     for (int c = 0; c < Tile::kColumnRegions; ++c) {
-      tma_load_4d(smem_k + c * kBlockN * 128, &maps.k, bar_kv_full, c * 64, key_row, walk.kv_head, tma_batch);
-      tma_load_4d(smem_v + c * kBlockN * 128, &maps.v, bar_kv_full, c * 64, key_row, walk.kv_head, tma_batch);
+      tma_load_4d(tile + c * kBlockN * 128, map, bar_kv_full, c * 64, key_row, walk.kv_head, tma_batch);
     }
   };
-  auto load_first_query_blocks = [&](const BwdWalk<Tile>& walk, int steps_before) {
-    for (int i = 0; i < min(walk.num_steps, kStages); ++i) load_query_block(walk, i, steps_before);
+  auto load_values = [&](const BwdWalk<Tile>& walk) {
+    mbarrier_arrive_expect_bytes(bar_kv_full, 2 * Tile::kKvBytes);
+    load_key_tile(walk, &maps.v, smem_v);
   };
+  auto load_keys = [&](const BwdWalk<Tile>& walk) { load_key_tile(walk, &maps.k, smem_k); };
   if (threadIdx.x == 0) {
     mbarrier_init(bar_kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(bar_q_full(s), 1);
       release_count[s] = 0;
     }
+    if constexpr (kPersistent) {
+      mbarrier_init(bar_k_empty, Tile::kWarps);
+      mbarrier_init(bar_v_empty, Tile::kWarps);
+    }
     mbarrier_init_fence();
   }
   __syncthreads();
   // Launched as a programmatic dependent of the preprocess (sm80/bwd_launch_template.cuh), this CTA may run
   // before that kernel has finished: its set-up and the first K / V (inputs) go first; the query blocks'
-  // lse / D, the dQ accumulator and the counters (the preprocess's) only after the wait.
-  if (threadIdx.x == 0) {
+  // lse / D, the dQ accumulator and the counters (the preprocess's) only after the wait. The dQ conversion
+  // may start on SMs this grid leaves idle (common/finished_walks.cuh), but only after the wait: before it, a
+  // conversion started early could read the finished-walk counters before the preprocess zeroed them (a
+  // reused buffer holds the last call's complete counts) and convert an accumulator still being zeroed.
+  const int producer_thread = Tile::kConsumerThreads;  // persistent: the producer warpgroup's first thread
+  // Named barriers (0: __syncthreads; 1 .. 4: the dSᵀ halves, store_p_ds): the consumers' own (__syncthreads's
+  // would wait for the producer too), and (persistent) those between the consumers and the producer warp: one
+  // per query buffer, at which every consumer thread releases it and the producer warp waits for it, and per
+  // tile slot one at which the producer announces the tile and one at which the consumers free the slot.
+  // (Released through an mbarrier instead, arrivals by one lane per warp, compute-sanitizer's racecheck
+  // reported the consumers' ordinary loads of a buffer's lse / D as racing with the producer's next TMA into
+  // it: H200, stop 30. Named barriers are what it follows; racecheck reports none: stop 31.)
+  // scripts/dkdv_handoff_model.py checks this protocol (both sides' programs, barrier generations, the
+  // producer's drains) for deadlock and double arrival over every walk-length sequence up to a bound.
+  constexpr int kConsumerBarrier = 5;
+  constexpr int kQueryBufferBarrier = 6;                      // + the buffer
+  constexpr int kTileSlotFullBarrier = 6 + kStages;           // + the slot
+  constexpr int kTileSlotFreeBarrier = kTileSlotFullBarrier + 2;  // + the slot
+  constexpr int kHandoffThreads = Tile::kConsumerThreads + 32;   // the consumers and the producer warp
+  static_assert(kTileSlotFreeBarrier + 2 <= 16, "a CTA has 16 named barriers");
+  if (threadIdx.x == (kPersistent ? producer_thread : 0)) {
     prefetch_tensor_map(&maps.q);
     prefetch_tensor_map(&maps.dout);
-    load_keys(BwdWalk<Tile>(params, blockIdx.x, key_blocks));
+    const BwdWalk<Tile> walk(params, blockIdx.x, key_blocks);
+    if (walk.num_steps > 0) {
+      load_values(walk);
+      load_keys(walk);
+    }
   }
   wait_for_prerequisite_grid();
-  // The dQ conversion may start on SMs this grid leaves idle (common/finished_walks.cuh). Only now: before the
-  // wait, a conversion started early could read the finished-walk counters before the preprocess zeroed them
-  // (a reused buffer holds the last call's complete counts) and convert an accumulator still being zeroed.
   allow_dependent_launch();
-  if (threadIdx.x == 0) load_first_query_blocks(BwdWalk<Tile>(params, blockIdx.x, key_blocks), 0);
 
+  if constexpr (kPersistent) {
+    if (threadIdx.x >= Tile::kConsumerThreads) {
+      // ---- producer: warp 8, whose first lane issues every load, walk after walk ----
+      release_registers<Tile::kProducerRegisters>();
+      if (threadIdx.x / 32 != Tile::kWarps) return;
+      const bool leader = threadIdx.x == producer_thread;
+      // Query buffer g % kStages free again: the consumers released step g's use of it. (bar.sync is .aligned:
+      // the warp reconverges first, its lanes may have left the mbarrier waits' polling loops apart.)
+      auto wait_for_release = [&](int g) {
+        __syncwarp();
+        named_barrier_sync(kQueryBufferBarrier + g % kStages, kHandoffThreads);
+      };
+      // An empty mbarrier's first wait (parity 1 on a fresh barrier) passes: K and V start free.
+      int steps_issued = 0, walks_loaded = 0;
+      int tile = blockIdx.x;
+      int rounds = 0;  // rounds run: each wrote the next walk's tile into its slot (the last one past the end)
+      for (int round = 0; tile < num_tiles; ++round, ++rounds) {
+        const BwdWalk<Tile> walk(params, tile, key_blocks);
+        const int num_steps = walk.num_steps;
+        auto load_step = [&](int i) {
+          const int g = steps_issued + i;
+          if (g >= kStages) wait_for_release(g - kStages);
+          if (leader) {
+            // The consumers read the buffer's lse / D with ordinary loads (the generic proxy); TMA (the async
+            // proxy) overwrites them: a proxy fence after the barrier orders the two.
+            fence_async_shared();
+            load_query_block(walk, i, steps_issued);
+          }
+        };
+        if (num_steps > 0) {
+          // Walk 0's K / V were issued above. Later walks: the first query block as soon as its buffer is free
+          // (during the last walk's last steps), V once the last walk's last dPᵀ completed, K once its last dQ
+          // did.
+          if (round > 0) {
+            load_step(0);
+            const uint32_t free_parity = (walks_loaded & 1) ^ 1;
+            mbarrier_wait(bar_v_empty, free_parity);
+            if (leader) load_values(walk);
+            mbarrier_wait(bar_k_empty, free_parity);
+            if (leader) load_keys(walk);
+          }
+          for (int i = round > 0 ? 1 : 0; i < num_steps; ++i) load_step(i);
+          ++walks_loaded;
+        }
+        // The next tile, once this walk's loads are all issued (a tile taken earlier would be held by this
+        // CTA while others may run out: stop 24), announced to the consumers; its K and V prefetched into L2.
+        // Slot (round + 1) % 2 is free once the consumers read its tile of two walks before.
+        int next_tile = 0;
+        if (leader) next_tile = static_cast<int>(gridDim.x) + atomicAdd(params.dkdv_tile_counter, 1);
+        next_tile = __shfl_sync(0xffffffffu, next_tile, 0);
+        if (round >= 2) named_barrier_sync(kTileSlotFreeBarrier + (round + 1) % 2, kHandoffThreads);
+        if (leader) next_tile_slot[(round + 1) % 2] = next_tile;
+        __syncwarp();
+        named_barrier_arrive(kTileSlotFullBarrier + (round + 1) % 2, kHandoffThreads);
+        if (leader) {
+          if (next_tile < num_tiles && !params.is_varlen()) {
+            const int key_row = next_tile % key_blocks * kBlockN;
+            const int kv_head_next = next_tile / key_blocks % params.heads_kv;
+            const int batch_next = next_tile / key_blocks / params.heads_kv;
+            for (int c = 0; c < Tile::kColumnRegions; ++c) {
+              tma_prefetch_l2_4d(&maps.k, c * 64, key_row, kv_head_next, batch_next);
+              tma_prefetch_l2_4d(&maps.v, c * 64, key_row, kv_head_next, batch_next);
+            }
+          }
+        }
+        __syncwarp();
+        steps_issued += num_steps;
+        tile = next_tile;
+      }
+      // The releases of the CTA's last kStages steps, for which no load waited, and of its last two tile slots.
+      for (int g = max(0, steps_issued - kStages); g < steps_issued; ++g) wait_for_release(g);
+      for (int slot_round = max(1, rounds - 1); slot_round <= rounds; ++slot_round) {
+        named_barrier_sync(kTileSlotFreeBarrier + slot_round % 2, kHandoffThreads);
+      }
+      return;
+    }
+    claim_registers<Tile::kConsumerRegisters>();
+  } else if (threadIdx.x == 0) {
+    const BwdWalk<Tile> walk(params, blockIdx.x, key_blocks);
+    for (int i = 0; i < min(walk.num_steps, kStages); ++i) load_query_block(walk, i, 0);
+  }
+
+  // ---- consumers (threads 0 .. 255) ----
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int group = warp / 4;
@@ -298,7 +421,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   };
   using MmaS = Wgmma<Element, Tile::kScoreQueries>;
   using MmaGrad = Wgmma<Element, Tile::kGradCols>;
-  using MmaDq = Wgmma<Element, Tile::kDqCols>;
+  using MmaDq = Wgmma<Element, Tile::kDqCols / kDqParts>;
 
   // stmatrix of dSᵀ: lane l addresses row l % 8 of matrix l / 8 = (keys + 8 (l / 8 % 2), queries + 8 (l / 16)).
   const int ds_store_row = group_first_key + 16 * warp_in_group + lane % 8 + 8 * (lane / 8 % 2);
@@ -314,28 +437,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   uint32_t kv_phase = 0;  // parity of the next completion of bar_kv_full
   for (int round = 0; tile < num_tiles; ++round) {
     const BwdWalk<Tile> walk(params, tile, key_blocks);
-    // Thread 0 takes the next tile from the counter during the walk's last step, not earlier: a CTA that took
-    // it at the walk's start would hold it for the whole walk, and near the end of a causal grid, whose
-    // first walks are the longest (kb 0 of a head: 256 steps at 16k), SMs would go idle while tiles wait for
-    // busy CTAs (measured: causal 16k backward 1-2% slower, hd256 causal 4-7%). The atomic's result is
-    // stored to shared memory only after the loop, so no warp waits for it.
-    int taken_tile = 0;
-    // Its K and V are prefetched into L2 at once (dense batches), so that the loads issued at the walk's end
-    // find them there rather than in DRAM: a walk's keys are read by that walk only.
-    auto take_next_tile = [&] {
-      if (kPersistent && threadIdx.x == 0) {
-        taken_tile = static_cast<int>(gridDim.x) + atomicAdd(params.dkdv_tile_counter, 1);
-        if (taken_tile < num_tiles && !params.is_varlen()) {
-          const int key_row = taken_tile % key_blocks * kBlockN;
-          const int kv_head_next = taken_tile / key_blocks % params.heads_kv;
-          const int batch_next = taken_tile / key_blocks / params.heads_kv;
-          for (int c = 0; c < Tile::kColumnRegions; ++c) {
-            tma_prefetch_l2_4d(&maps.k, c * 64, key_row, kv_head_next, batch_next);
-            tma_prefetch_l2_4d(&maps.v, c * 64, key_row, kv_head_next, batch_next);
-          }
-        }
-      }
-    };
     const int num_steps = walk.num_steps;
     const int batch = walk.batch;
     const int kv_head = walk.kv_head;
@@ -346,11 +447,20 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     auto step_first_query = [&](int i) { return walk.first_query(i); };
     auto stage_of = [&](int i) { return (steps_before + i) % kStages; };
     auto phase_of = [&](int i) { return static_cast<uint32_t>((steps_before + i) / kStages) & 1; };
-    // Called by each warp once its wgmmas reading step i's buffer completed: the last of the 8 reloads it.
+    // Called by each warp once its wgmmas reading step i's buffer completed: persistent, an arrival for the
+    // producer; else the last of the 8 warps reloads it.
     auto release_query_block = [&](int i) {
-      if (last_warp_to_release<Tile::kWarps>(&release_count[stage_of(i)]) && i + kStages < num_steps) {
+      if constexpr (kPersistent) {
+        // Every thread's reads of the buffer's lse / D (scores_to_gradients) are before its arrival; the
+        // producer orders its TMA after them with a proxy fence once the barrier completed.
+        named_barrier_arrive(kQueryBufferBarrier + stage_of(i), kHandoffThreads);
+      } else if (last_warp_to_release<Tile::kWarps>(&release_count[stage_of(i)]) && i + kStages < num_steps) {
         load_query_block(walk, i + kStages, steps_before);
       }
+    };
+    // Persistent: K or V released to the producer (each warp, once its last wgmma reading it completed).
+    auto release_key_tile = [&](uint32_t bar_empty) {
+      if (kPersistent && lane == 0) mbarrier_arrive(bar_empty);
     };
 
     // This thread's score elements: keys thread_key + 8 half (of the sequence), queries
@@ -479,7 +589,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       accumulator_to_a_fragments<Element>(acc_dp, frag);
       store(smem_ds(i % 2));
       fence_async_shared();
-      named_barrier_arrive(1 + 2 * (i % 2) + group, Tile::kThreads);
+      named_barrier_arrive(1 + 2 * (i % 2) + group, Tile::kConsumerThreads);
     };
 
     // dV += Pᵀ dO, dK += dSᵀ Q of step i (A = this warpgroup's 64 key rows of the stored Pᵀ / dSᵀ, K-major over
@@ -501,14 +611,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       wgmma_commit();
     };
 
-    // dQ of step i (this warpgroup's 64 queries x kDqCols columns) = dS K over the block's keys, once the other
-    // warpgroup's half of dSᵀ is stored: issued and committed, not waited for.
-    auto issue_dq = [&](int i, float (&acc_dq)[kNTilesDq][4]) {
-      named_barrier_sync(1 + 2 * (i % 2) + (1 - group), Tile::kThreads);
+    // Part `part` of dQ of step i (this warpgroup's 64 queries x kNTilesDq n-tiles) = dS K over the block's
+    // keys, once (part 0) the other warpgroup's half of dSᵀ is stored: issued and committed, not waited for.
+    auto issue_dq = [&](int i, float (&acc_dq)[kNTilesDq][4], int part) {
+      if (part == 0) named_barrier_sync(1 + 2 * (i % 2) + (1 - group), Tile::kConsumerThreads);
       // A: dSᵀ's 64-query region of this warpgroup's queries (kDqSplitRows), or its only region.
       const uint32_t ds_tile = smem_ds(i % 2) + dq_first_row / 64 * kBlockN * 128;
-      // This warpgroup's columns of K: region group kDqCols / 64, 2 group kDqCols % 64 bytes into its rows.
-      const int first_col = dq_first_col;
+      // The part's columns of K: region first_col / 64, 2 (first_col % 64) bytes into its rows.
+      const int first_col = dq_first_col + part * 8 * kNTilesDq;
       const uint32_t k_cols = smem_k + (first_col / 64) * kBlockN * 128 + (first_col % 64) * 2;
       wgmma_fence();
 #pragma unroll
@@ -521,9 +631,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
 
     // Step i's completed dQ added to the fp32 accumulator. Rows past the sequence's end (dS = 0) are added
     // too: DqAccumLayout says where they land.
-    auto add_dq = [&](int i, const float (&acc_dq)[kNTilesDq][4]) {
+    auto add_dq = [&](int i, const float (&acc_dq)[kNTilesDq][4], int part) {
       const int64_t accum_row = walk.sequence_accum_row + step_first_query(i) + dq_first_row + 16 * warp_in_group;
-      float* dq_accum_lane = params.dq_accum + dq_layout.tile_offset(accum_row, step_head(i), dq_first_col) + 4 * lane;
+      float* dq_accum_lane =
+          params.dq_accum + dq_layout.tile_offset(accum_row, step_head(i), dq_first_col + part * 8 * kNTilesDq) + 4 * lane;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -539,27 +650,33 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     // step i's Sᵀ, dPᵀ and step i - 1's dV / dK issued; the element-wise work of step i runs while that dV / dK
     // completes (FlashAttention-3's intra-warpgroup overlap, here of the gradient GEMMs, whose accumulators
     // are live anyway); then step i's Pᵀ and dSᵀ are stored. (With dQ in flight during the element-wise work
-    // instead, ptxas serialised the wgmmas for want of registers: C7511.)
+    // instead, ptxas serialised the wgmmas for want of registers: C7511.) In two parts, dQ's first part is
+    // added while Sᵀ / dPᵀ compute, its second while dV / dK do.
     float acc_s[1][kNTilesS][4];   // Sᵀ, then Pᵀ in place
     float acc_dp[1][kNTilesS][4];  // dPᵀ, then dSᵀ in place
     for (int i = 0; i < num_steps; ++i) {
-      if (i == num_steps - 1) take_next_tile();
       if (i > 0) {
         // Step i - 1's dQ, then step i's Sᵀ / dPᵀ: the dQ atomics run while Sᵀ / dPᵀ compute.
         float acc_dq[kNTilesDq][4];
-        issue_dq(i - 1, acc_dq);
+        issue_dq(i - 1, acc_dq, 0);
         issue_scores(i, acc_s, acc_dp);
-        wgmma_wait<1>();  // dQ of step i - 1
+        wgmma_wait<1>();  // dQ of step i - 1 (its first part)
         register_fence(acc_dq);
-        add_dq(i - 1, acc_dq);
+        add_dq(i - 1, acc_dq, 0);
+        if constexpr (kDqParts == 2) issue_dq(i - 1, acc_dq, 1);
         issue_grads(i - 1);
-        wgmma_wait<1>();  // Sᵀ, dPᵀ of step i; step i - 1's dV / dK may still run
+        wgmma_wait<1>();  // Sᵀ, dPᵀ of step i (and dQ's second part); step i - 1's dV / dK may still run
+        if constexpr (kDqParts == 2) {
+          register_fence(acc_dq);
+          add_dq(i - 1, acc_dq, 1);
+        }
       } else {
         issue_scores(i, acc_s, acc_dp);
         wgmma_wait<0>();
       }
       register_fence(acc_s[0]);
       register_fence(acc_dp[0]);
+      if (i == num_steps - 1) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
       scores_to_gradients(i, acc_s, acc_dp);
       if (i > 0) {
         wgmma_wait<0>();  // step i - 1's dV / dK: its Pᵀ / dSᵀ buffers and its Q / dO are free
@@ -570,33 +687,37 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     if (num_steps > 0) {
       float acc_dq[kNTilesDq][4];
       // The last step's dQ and dV / dK issued together: the gradients' GEMMs run while the dQ is added.
-      issue_dq(num_steps - 1, acc_dq);
+      issue_dq(num_steps - 1, acc_dq, 0);
       issue_grads(num_steps - 1);
       wgmma_wait<1>();
       register_fence(acc_dq);
-      add_dq(num_steps - 1, acc_dq);
+      add_dq(num_steps - 1, acc_dq, 0);
+      if constexpr (kDqParts == 2) {
+        issue_dq(num_steps - 1, acc_dq, 1);
+        wgmma_wait<0>();
+        register_fence(acc_dq);
+        add_dq(num_steps - 1, acc_dq, 1);
+      }
       wgmma_wait<0>();
       release_query_block(num_steps - 1);
+      release_key_tile(bar_k_empty);  // the walk's last dQ completed
     }
     register_fence(acc_dk);
     register_fence(acc_dv);
 
-    // Every warp's wgmmas of this walk completed (its last wgmma_wait), so after this barrier no warp reads K,
-    // V or a query-block buffer any more: thread 0 starts the next walk's loads, which land while this walk's
-    // dK / dV are stored. Every warp has issued its dQ additions too, so from here on the walk may be counted
-    // for the dQ conversion (finished_walks.cuh; below), without waiting for the dK / dV stores (a release
-    // after them did, every walk).
-    if (num_steps == 0) take_next_tile();
-    if (kPersistent && threadIdx.x == 0) next_tile_slot[round % 2] = taken_tile;
-    __syncthreads();
-    const int next_tile = kPersistent ? next_tile_slot[round % 2] : num_tiles;
+    // Every warp's wgmmas of this walk completed (its last wgmma_wait), so after this barrier (the consumers')
+    // no warp reads the Pᵀ / dSᵀ buffers any more, and every warp has issued its dQ additions: from here on
+    // the walk may be counted for the dQ conversion (finished_walks.cuh; below), without waiting for the
+    // dK / dV stores (a release after them did, every walk).
+    named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
+    int next_tile = num_tiles;
+    if constexpr (kPersistent) {
+      named_barrier_sync(kTileSlotFullBarrier + (round + 1) % 2, kHandoffThreads);
+      next_tile = next_tile_slot[(round + 1) % 2];
+      named_barrier_arrive(kTileSlotFreeBarrier + (round + 1) % 2, kHandoffThreads);
+    }
     if (num_steps > 0) kv_phase ^= 1;
     steps_before += num_steps;
-    if (threadIdx.x == 0 && next_tile < num_tiles) {
-      const BwdWalk<Tile> next_walk(params, next_tile, key_blocks);
-      load_keys(next_walk);
-      load_first_query_blocks(next_walk, steps_before);
-    }
     auto count_walk = [&] {
       if (walk.has_keys && params.dkdv_finished != nullptr) {
         count_finished_walk(&params.dkdv_finished[kFinishedCounterStride * (batch * params.heads_kv + kv_head)]);
@@ -630,7 +751,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       stage_grad(acc_dk, params.softmax_scale, smem_ds(0));
       stage_grad(acc_dv, 1.f, smem_p(0));
       fence_async_shared();
-      __syncthreads();
+      named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
       if (threadIdx.x == 32) count_walk();  // while thread 0 issues the stores and waits for their reads
       if (threadIdx.x == 0) {
         const int key_row = static_cast<int>(walk.k_span.begin) + walk.first_key;
@@ -641,7 +762,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         }
         bulk_commit_and_wait_reads();
       }
-      __syncthreads();
+      named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
     } else if (walk.has_keys) {
       // From registers: each thread writes keys thread_key (+ 8) and two columns per n-tile of the
       // warpgroup's columns.

@@ -1,4 +1,4 @@
-"""A model of patch 0001's handoffs between the persistent sm90 dK/dV kernel's consumers and its producer warp
+"""A model of the handoffs between the persistent sm90 dK/dV kernel's consumers and its producer warp
 at named barriers (query buffer g % kStages released after step g; tile slot (r + 1) % 2 full, then free).
 
 Each side runs its program in order (the consumers as one: a consumer warp cannot run a generation ahead of
@@ -8,7 +8,7 @@ the same generation. Checked for every walk-length sequence: no deadlock, no sid
 generation completed (a named barrier would then count 512 arrivals against 288), and every barrier
 balanced when both programs end (the producer's drains included).
 
-    python3 benchmarks/prepared/0001-handoff-model.py   # "ok N walk sequences"
+    python3 scripts/dkdv_handoff_model.py   # "ok N walk sequences"
 """
 import itertools, random
 
