@@ -64,7 +64,7 @@ measure() {  # name dir
         grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-400 | tail -n 12
       if [ "$SANITIZE" = 1 ]; then
         for tool in memcheck racecheck; do
-          PYTHONPATH="$PWD" timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" scripts/sanitize.py \
+          PYTHONPATH="$PWD" timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" scripts/sanitize.py \
             >"/tmp/sanitize_${name}_$tool.log" 2>&1
           echo "sanitize $tool: rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/sanitize_${name}_$tool.log" | tail -n 1))"
         done
