@@ -18,7 +18,7 @@
 // Persistent (plain attention; BwdSm90Tile::kPersistent): one CTA per SM takes tiles (BwdWalk) from a counter
 // until none is left, warp-specialised as FlashAttention-3: a producer warpgroup (registers given to the
 // other two, setmaxnreg) issues every TMA load, waiting until the consumers released the buffer (named
-// barriers for the query buffers, mbarriers for K, V and the next tile's slot), and runs ahead across walk
+// barriers for the query buffers and the next tiles' slots, mbarriers for K and V), and runs ahead across walk
 // boundaries: it takes the next tile once it has issued this walk's last
 // query block (about kStages steps before the walk ends), loads the next walk's first query block as soon as
 // a buffer is free, its V once the last dPᵀ completed and its K once the last dQ did. So the next walk's
