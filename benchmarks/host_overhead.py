@@ -12,7 +12,7 @@ torch.profiler: launched onto an idle GPU, so the host's gaps between its launch
 what the previous call left); for the first case also torch.profiler's CPU table of ten backwards and the
 host / GPU timeline of one (where the host time goes, when each launch happens).
 
-    python benchmarks/host_overhead.py [--cases window,short]
+    python benchmarks/host_overhead.py [--cases short,window,causal16k] [--no-table] [--between-calls]
 """
 import argparse
 import time
@@ -22,6 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 import flash_ext
+
+STUDY_BETWEEN_CALLS = False  # --between-calls
 
 CASES = {  # name: (batch, seqlen, heads, head_dim, attention kwargs)
     "window": (1, 16384, 16, 128, {"window_size": (1024, 0)}),
@@ -75,10 +77,67 @@ def print_timeline(fn):
         print(f"  {where} {e.time_range.start - t0:8.1f} us  {e.time_range.end - e.time_range.start:8.1f} us  {e.name[:90]}")
 
 
+def graphed_bwd_us(q, k, v, dout, kwargs):
+    """do_bench median (us) of the backward op called directly and replayed from a CUDA graph (no host work in
+    the timed region): their difference is the host time do_bench sees as GPU idle."""
+    scale = q.shape[-1] ** -0.5
+    causal = kwargs.get("causal", False)
+    left, right = kwargs.get("window_size", (-1, -1))
+    with torch.no_grad():
+        out, lse, _ = torch.ops.flash_ext.fwd(q, k, v, scale, causal, False, left, right)
+
+    def call():
+        return torch.ops.flash_ext.bwd(dout, q, k, v, out, lse, scale, causal, False, left, right)
+
+    direct = do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graphed = do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3
+    if STUDY_BETWEEN_CALLS:
+        between_calls_study(graph.replay)
+    return direct, graphed
+
+
+def between_calls_study(replay):
+    """GPU time (us, median of 30 CUDA-event pairs) of a graph replay after each of: nothing (back to back), a
+    256 MB zero fill (triton do_bench's L2 flush), a 256 MB read, 1 ms of a spinning kernel (idle SMs): which
+    state left by do_bench's flush makes a call slower than back to back."""
+    buffer = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+    before = {
+        "back to back": lambda: None,
+        "256 MB fill": buffer.zero_,
+        "256 MB read": lambda: buffer.sum(),
+        "1 ms spin": lambda: torch.cuda._sleep(2_000_000),
+    }
+    for label, prepare in before.items():
+        times = []
+        for _ in range(35):
+            prepare()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            replay()
+            end.record()
+            times.append((start, end))
+        torch.cuda.synchronize()
+        median = sorted(s.elapsed_time(e) for s, e in times[5:])[15] * 1e3
+        print(f"    after {label:13s} {median:8.1f} us", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="short,window,causal16k", help="comma list of " + ", ".join(CASES))
+    parser.add_argument("--no-table", action="store_true", help="skip the profiler table and timeline")
+    parser.add_argument("--between-calls", action="store_true",
+                        help="also time the graphed backward after other work (between_calls_study)")
     args = parser.parse_args()
+    global STUDY_BETWEEN_CALLS
+    STUDY_BETWEEN_CALLS = args.between_calls
     for name in args.cases.split(","):
         batch, seqlen, heads, head_dim, kwargs = CASES[name]
         q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -102,7 +161,13 @@ def main():
             span = gpu_span_us(fn)
             print(f"{name:10s} {label}: host {host:7.1f} us per call   do_bench {bench_ms * 1e3:8.1f} us   "
                   f"isolated GPU span {span:8.1f} us", flush=True)
-        if name == args.cases.split(",")[0]:
+        try:
+            direct, graphed = graphed_bwd_us(q.detach(), k.detach(), v.detach(), dout, kwargs)
+            print(f"{name:10s} bwd op: do_bench {direct:8.1f} us called, {graphed:8.1f} us replayed from a CUDA graph",
+                  flush=True)
+        except RuntimeError as error:  # a capture the runtime refuses: report it, go on
+            print(f"{name:10s} bwd op: CUDA graph capture failed: {error}", flush=True)
+        if name == args.cases.split(",")[0] and not args.no_table:
             backward()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
