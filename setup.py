@@ -77,7 +77,10 @@ def make_extension():
     # -fopenmp: at::parallel_for (the CPU path) runs on one thread without it.
     cxx_flags = ["-O3", "-fopenmp"]
     link_flags = ["-fopenmp"]
-    sources = ["csrc/flash_api.cpp", "csrc/cpu/attention_cpu.cpp"]
+    # The torch-facing layer (csrc/api/, the only sources that include torch), the CPU implementation and
+    # the runtime settings; a CUDA build adds the torch-free dispatch and the kernel instantiations.
+    sources = [path for path in sorted(glob.glob("csrc/api/*.cpp")) if not path.endswith("ops_cuda.cpp")]
+    sources += ["csrc/cpu/attention_cpu.cpp", "csrc/host/runtime_settings.cpp"]
     if not with_cuda():
         reason = "FLASH_EXT_FORCE_CPU=1" if os.environ.get("FLASH_EXT_FORCE_CPU") == "1" else "no CUDA torch or no nvcc found"
         print(f"flash_ext: building the CPU path only ({reason})")
@@ -87,7 +90,7 @@ def make_extension():
 
     archs = cuda_archs()
     print(f"flash_ext: building CUDA kernels for {';'.join(archs)} with nvcc from {CUDA_HOME}")
-    sources += sorted(glob.glob("csrc/instantiations/*.cu"))
+    sources += ["csrc/api/ops_cuda.cpp", "csrc/dispatch.cpp", "csrc/host/device_info.cpp"] + sorted(glob.glob("csrc/instantiations/*.cu"))
     nvcc_flags = [
         "-O3",
         "--use_fast_math",

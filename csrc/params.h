@@ -1,4 +1,4 @@
-// Torch-free description of one attention call, filled in csrc/flash_api.cpp and read by
+// Torch-free description of one attention call, filled in csrc/api/params_from_tensors.cpp and read by
 // every kernel (CPU and CUDA). Kernel translation units include this header and never
 // torch: that keeps each .cu file's compile time to the kernel itself.
 //
@@ -72,7 +72,7 @@ struct FwdParams {
 
   // ---- Which keys a query sees: a band around the diagonal ----
   // Query i sees key j iff  i + len_k - len_q - window_left <= j <= i + len_k - len_q + window_right,
-  // where kUnbounded (-1) lifts that side. Causal is window_right == 0 (flash_api.cpp sets it for
+  // where kUnbounded (-1) lifts that side. Causal is window_right == 0 (params_from_tensors.cpp sets it for
   // causal=True); kernels see only the band (common/band_mask.cuh, the CPU path's visible_keys).
   static constexpr int kUnbounded = -1;
   int window_left = kUnbounded;
@@ -116,6 +116,11 @@ struct FwdParams {
 
   FLASH_EXT_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FLASH_EXT_HOST_DEVICE bool has_dropout() const { return dropout_p > 0.f; }
+  // Softcap or ALiBi: the score modifiers, which the sm90 kernels compile in (one instantiation each way).
+  FLASH_EXT_HOST_DEVICE bool has_score_mods() const { return softcap > 0.f || alibi_slopes != nullptr; }
+  // Softcap, ALiBi or dropout: the "extras" instantiations of the sm80 kernels, which keep the plain
+  // kernels' one-FFMA score path free of them.
+  FLASH_EXT_HOST_DEVICE bool has_extras() const { return has_score_mods() || has_dropout(); }
 
   // The query (key) rows of sequence b.
   FLASH_EXT_HOST_DEVICE SequenceSpan query_span(int64_t b) const {
@@ -192,11 +197,9 @@ struct BwdParams : FwdParams {
   // CUDA, deterministic = false: the sm90 dK/dV kernel's tile counter (its persistent CTAs take tiles
   // gridDim.x, gridDim.x + 1, ... from it); the 128-byte line after dkdv_finished's, zeroed with them.
   int* dkdv_tile_counter = nullptr;
-  // CUDA, deterministic = false, plain attention over every key (no causal mask, window, varlen): scratch for
-  // the dK/dV kernel's tail walks, run in pieces whose fp32 dK and dV sums meet here (TailSplit,
-  // sm80/bwd_launch_template.cuh); dkv_accum_floats long, zeroed by the launcher where used. nullptr: no split.
+  // CUDA, where the backward's plan splits the sm80 dK/dV kernel's tail walks (bwd_plan.h): scratch in which
+  // the pieces' fp32 dK and dV sums meet (TailSplit), zeroed by the launcher. nullptr: no split.
   float* dkv_accum = nullptr;
-  int64_t dkv_accum_floats = 0;
   bool deterministic = false;
 };
 

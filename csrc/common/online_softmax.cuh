@@ -130,7 +130,9 @@ struct OnlineSoftmax {
   }
 
   // Normalises acc_o by the row sums and returns each row's natural-log logsumexp of the
-  // scaled scores in lse[r]. Rows that saw no key (sum 0) get output 0 and lse -inf.
+  // scaled scores in lse[r]. Rows that saw no key (sum 0) get output 0 and lse -inf. A NaN score
+  // makes its row's sum NaN, and that row's output and lse NaN (as in PyTorch): the test is
+  // sum == 0, not !(sum > 0), so that NaN is not taken for an empty row.
   template <int kNTilesO>
   __device__ __forceinline__ void finalize(float (&acc_o)[kMTiles][kNTilesO][4], float softmax_scale,
                                            float (&lse)[kRows]) {
@@ -140,7 +142,7 @@ struct OnlineSoftmax {
       for (int half = 0; half < 2; ++half) {
         const int r = 2 * mi + half;
         const float sum = quad_sum(row_sum[r]);
-        const bool empty = !(sum > 0.f);
+        const bool empty = sum == 0.f;
         const float inv_sum = empty ? 0.f : 1.f / sum;
         lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(sum);
 #pragma unroll

@@ -307,8 +307,9 @@ void attention_fwd_impl(const FwdParams& p) {
       }
 
       for (int r = 0; r < queries.size; ++r) {
-        // row_sum >= 1 for a row that saw a key (its max term is exp2(0)); 0 for one that saw none.
-        const bool saw_keys = row_sum[r] > 0.f;
+        // row_sum >= 1 for a row that saw a key (its max term is exp2(0)); 0 for one that saw none;
+        // NaN for a row with a NaN score, which then propagates to its output and lse.
+        const bool saw_keys = row_sum[r] != 0.f;
         // Kept probabilities are scaled by 1 / (1 - dropout_p) (p.dropout_scale is 1 without dropout).
         const float out_scale = saw_keys ? p.dropout_scale / row_sum[r] : 0.f;
         float* o_row = &acc_o[r * head_dim];

@@ -2,8 +2,9 @@
 // translation units in csrc/instantiations/.
 #pragma once
 
+#include "../common/launch.cuh"
 #include "fwd_kernel.cuh"
-#include "launch_common.cuh"
+#include "launch.h"
 
 namespace flash_ext::sm80 {
 
@@ -11,11 +12,8 @@ template <Elem16 kElem, int kHeadDim>
 void run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
   using Config = typename FwdTileFor<kHeadDim>::type;
   using Element = ElementOf<kElem>;
-  // Softcap, ALiBi and dropout change every score or probability: a separate instantiation, so
-  // plain attention keeps its one-FFMA score path.
-  const bool extras = params.softcap > 0.f || params.alibi_slopes != nullptr || params.has_dropout();
-  const auto kernel =
-      extras ? attention_fwd_kernel<Config, Element, true> : attention_fwd_kernel<Config, Element, false>;
+  const auto kernel = params.has_extras() ? attention_fwd_kernel<Config, Element, true>
+                                          : attention_fwd_kernel<Config, Element, false>;
   constexpr size_t kSmemBytes = Config::kSmemElements * sizeof(Element);
   set_smem_limit(kernel, kSmemBytes, "the forward kernel");
 

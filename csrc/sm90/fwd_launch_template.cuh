@@ -1,6 +1,6 @@
-// Launch of the sm90 forward kernel for one (dtype, head dim): the TMA descriptors of q, k, v and the
-// checks that decide whether the kernel takes the call. Included by the generated translation units
-// in csrc/instantiations/.
+// Launch of the sm90 forward kernels for one (dtype, head dim): whether they can take a call, their TMA
+// descriptors, and the choice between the pipelined kernel and the persistent one for sliding windows.
+// Included by the generated translation units in csrc/instantiations/.
 #pragma once
 
 #include <cstdint>
@@ -12,53 +12,72 @@
 
 namespace flash_ext::sm90 {
 
+// The instantiation of the pipelined forward kernel a call takes: plain, score modifiers, or dropout (with
+// score modifiers compiled in).
+template <typename Element, int kHeadDim>
+struct FwdKernels {
+  static constexpr auto kPlain = attention_fwd_sm90_kernel<Element, kHeadDim, false, false>;
+  static constexpr auto kScoreMods = attention_fwd_sm90_kernel<Element, kHeadDim, true, false>;
+  static constexpr auto kDropout = attention_fwd_sm90_kernel<Element, kHeadDim, true, true>;
+  static auto for_call(const FwdParams& params) {
+    return params.has_dropout() ? kDropout : params.has_score_mods() ? kScoreMods : kPlain;
+  }
+  static bool has_code(const FwdParams& params) {
+    return params.has_dropout()      ? has_sm90_code<kDropout>()
+           : params.has_score_mods() ? has_sm90_code<kScoreMods>()
+                                     : has_sm90_code<kPlain>();
+  }
+};
+
+// The tensors as TMA sees them: (batch, rows, heads, head_dim); a variable-length batch is one packed batch
+// entry of total rows.
+struct FwdTmaShape {
+  int64_t batch, rows_q, rows_k;
+  TensorStrides q, k, v;
+
+  FwdTmaShape(const FwdParams& params, int head_dim)
+      : batch(params.is_varlen() ? 1 : params.batch),
+        rows_q(params.is_varlen() ? params.total_q : params.seqlen_q),
+        rows_k(params.is_varlen() ? params.total_k : params.seqlen_k),
+        q(with_unit_dims_filled(params.q_strides, rows_q, params.heads_q, batch, head_dim)),
+        k(with_unit_dims_filled(params.k_strides, rows_k, params.heads_kv, batch, head_dim)),
+        v(with_unit_dims_filled(params.v_strides, rows_k, params.heads_kv, batch, head_dim)) {}
+};
+
+template <Elem16 kElem, int kHeadDim>
+bool fwd_applies(const FwdParams& params) {
+  if (!device_is_sm90() || !FwdKernels<ElementOf<kElem>, kHeadDim>::has_code(params)) return false;
+  const FwdTmaShape shape(params, kHeadDim);
+  return shape.rows_q > 0 && shape.rows_k > 0 && tma_compatible(params.q, shape.q) &&
+         tma_compatible(params.k, shape.k) && tma_compatible(params.v, shape.v) &&
+         reinterpret_cast<uintptr_t>(params.out) % 16 == 0;
+}
+
 template <Elem16 kElem, int kHeadDim>
 bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
   using Tile = FwdSm90Tile<kHeadDim>;
   using Element = ElementOf<kElem>;
-  if (!device_is_sm90()) return false;
-
-  const bool score_mods = params.softcap > 0.f || params.alibi_slopes != nullptr;
-  const auto kernel = params.has_dropout() ? attention_fwd_sm90_kernel<Element, kHeadDim, true, true>
-                      : score_mods         ? attention_fwd_sm90_kernel<Element, kHeadDim, true, false>
-                                           : attention_fwd_sm90_kernel<Element, kHeadDim, false, false>;
-  if (!has_sm90_code(kernel)) return false;
-
-  // The tensors as TMA sees them: (batch, rows, heads, head_dim); a variable-length batch is one packed
-  // batch entry of total rows.
-  const int64_t batch = params.is_varlen() ? 1 : params.batch;
-  const int64_t rows_q = params.is_varlen() ? params.total_q : params.seqlen_q;
-  const int64_t rows_k = params.is_varlen() ? params.total_k : params.seqlen_k;
-  if (rows_q == 0 || rows_k == 0) return false;
-  const TensorStrides q_strides = with_unit_dims_filled(params.q_strides, rows_q, params.heads_q, batch, kHeadDim);
-  const TensorStrides k_strides = with_unit_dims_filled(params.k_strides, rows_k, params.heads_kv, batch, kHeadDim);
-  const TensorStrides v_strides = with_unit_dims_filled(params.v_strides, rows_k, params.heads_kv, batch, kHeadDim);
-  if (!tma_compatible(params.q, q_strides) || !tma_compatible(params.k, k_strides) ||
-      !tma_compatible(params.v, v_strides) || reinterpret_cast<uintptr_t>(params.out) % 16 != 0) {
-    return false;
-  }
+  if (!fwd_applies<kElem, kHeadDim>(params)) return false;
+  const FwdTmaShape shape(params, kHeadDim);
   FwdTensorMaps maps;
-  if (!encode_tensor_map<Element, Tile::kBlockM>(&maps.q, params.q, q_strides, rows_q, params.heads_q, batch,
-                                                 kHeadDim) ||
-      !encode_tensor_map<Element, Tile::kBlockN>(&maps.k, params.k, k_strides, rows_k, params.heads_kv, batch,
-                                                 kHeadDim) ||
-      !encode_tensor_map<Element, Tile::kBlockN>(&maps.v, params.v, v_strides, rows_k, params.heads_kv, batch,
-                                                 kHeadDim)) {
+  if (!encode_tensor_map<Element, Tile::kBlockM>(&maps.q, params.q, shape.q, shape.rows_q, params.heads_q,
+                                                 shape.batch, kHeadDim) ||
+      !encode_tensor_map<Element, Tile::kBlockN>(&maps.k, params.k, shape.k, shape.rows_k, params.heads_kv,
+                                                 shape.batch, kHeadDim) ||
+      !encode_tensor_map<Element, Tile::kBlockN>(&maps.v, params.v, shape.v, shape.rows_k, params.heads_kv,
+                                                 shape.batch, kHeadDim)) {
     return false;
   }
 
-  sm80::check_grid_limits(params, "forward");
+  check_grid_limits(params, "forward");
   const int64_t num_m_blocks = (params.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
   // Sliding windows (a bounded left side) at head_dim 128: the persistent kernel, one CTA per SM.
   if constexpr (kHeadDim == FwdSm90PersistentTile::kHeadDim) {
     const int64_t num_tiles = num_m_blocks * params.heads_q * params.batch;  // the kernel counts them in int32
-    if (params.window_left != FwdParams::kUnbounded && !params.is_varlen() && !score_mods && !params.has_dropout() &&
+    if (params.window_left != FwdParams::kUnbounded && !params.is_varlen() && !params.has_extras() &&
         num_tiles <= INT32_MAX) {
       const auto persistent = attention_fwd_sm90_persistent_kernel<Element>;
-      int device = 0, num_sms = 0;
-      throw_on_cuda_error(cudaGetDevice(&device), "querying the current device");
-      throw_on_cuda_error(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
-                          "querying the number of SMs");
+      const int num_sms = current_device_info().num_sms;
       set_smem_limit(persistent, FwdSm90PersistentTile::kSmemBytes, "the sm90 persistent forward kernel");
       const unsigned grid = static_cast<unsigned>(num_tiles < num_sms ? num_tiles : num_sms);
       persistent<<<grid, FwdSm90PersistentTile::kThreads, FwdSm90PersistentTile::kSmemBytes, stream>>>(params, maps);
@@ -66,6 +85,7 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
       return true;
     }
   }
+  const auto kernel = FwdKernels<Element, kHeadDim>::for_call(params);
   set_smem_limit(kernel, Tile::kSmemBytes, "the sm90 forward kernel");
   const dim3 grid(static_cast<unsigned>(num_m_blocks), params.heads_q, params.batch);
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(params, maps);

@@ -9,15 +9,10 @@
 #include <mutex>
 #include <type_traits>
 
+#include "../common/launch.cuh"
 #include "../params.h"
-#include "../sm80/launch_common.cuh"
 
 namespace flash_ext::sm90 {
-
-using sm80::ElementOf;
-using sm80::launch_kernel;
-using sm80::set_smem_limit;
-using sm80::throw_on_cuda_error;
 
 // cuTensorMapEncodeTiled from the driver, found through the runtime (no link against libcuda).
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -71,23 +66,21 @@ bool encode_tensor_map(CUtensorMap* map, const void* base, const TensorStrides& 
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Whether `kernel` has sm_90a machine code in this build (a build for 80 only has none; PTX JIT would
-// not give the arch-specific wgmma / setmaxnreg code).
-template <typename Kernel>
-bool has_sm90_code(Kernel kernel) {
-  cudaFuncAttributes attributes{};
-  return cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && attributes.binaryVersion == 90;
+// Whether kKernel has sm_90a machine code in this build (a build for 80 only has none; PTX JIT would
+// not give the arch-specific wgmma / setmaxnreg code). Asked once per kernel.
+template <auto kKernel>
+bool has_sm90_code() {
+  static const bool has_code = [] {
+    cudaFuncAttributes attributes{};
+    return cudaFuncGetAttributes(&attributes, kKernel) == cudaSuccess && attributes.binaryVersion == 90;
+  }();
+  return has_code;
 }
 
 // Whether the current device is compute capability 9.0 (the sm_90a code runs nowhere else).
 inline bool device_is_sm90() {
-  int device = 0, major = 0, minor = 0;
-  throw_on_cuda_error(cudaGetDevice(&device), "querying the current device");
-  throw_on_cuda_error(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-                      "querying the compute capability");
-  throw_on_cuda_error(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
-                      "querying the compute capability");
-  return major == 9 && minor == 0;
+  const DeviceInfo& device = current_device_info();
+  return device.major == 9 && device.minor == 0;
 }
 
 }  // namespace flash_ext::sm90

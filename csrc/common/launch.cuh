@@ -1,18 +1,22 @@
-// Host-side helpers shared by the sm80 launch templates.
+// Host-side launch helpers shared by the sm80 and sm90 launch templates (included by the generated
+// translation units only; torch-free).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
 
-#include "launch.h"
+#include "../host/device_info.h"
+#include "../kernel_configs.h"
+#include "../params.h"
 
-namespace flash_ext::sm80 {
+namespace flash_ext {
 
 template <Elem16 kElem>
 using ElementOf = std::conditional_t<kElem == Elem16::kBFloat16, __nv_bfloat16, __half>;
@@ -28,6 +32,24 @@ template <typename Kernel>
 void set_smem_limit(Kernel kernel, size_t bytes, const char* name) {
   throw_on_cuda_error(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
                       (std::string("setting the shared memory size of ") + name).c_str());
+}
+
+// CTAs of `kernel` (with `threads` threads and `smem_bytes` of dynamic shared memory) that fit on one SM of
+// the current device; queried once per (kernel, device) and kept.
+template <typename Kernel>
+int occupancy_ctas_per_sm(Kernel kernel, int threads, int smem_bytes) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};  // 0: not queried yet (a kernel that fits gives >= 1)
+  const int device = current_device();
+  if (device >= 0 && device < kMaxDevices) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int count = 0;
+  throw_on_cuda_error(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, threads, smem_bytes),
+                      "querying a kernel's occupancy");
+  if (device >= 0 && device < kMaxDevices && count > 0) cached[device].store(count, std::memory_order_relaxed);
+  return count;
 }
 
 // Launches kernel<<<grid, block, smem_bytes, stream>>>(args...); with `programmatic_dependent`, as a
@@ -59,4 +81,4 @@ inline void check_grid_limits(const FwdParams& params, const char* what) {
   }
 }
 
-}  // namespace flash_ext::sm80
+}  // namespace flash_ext

@@ -1,0 +1,36 @@
+// Input checks of the ops. Every message names the argument and says what was expected; nothing here
+// reads device memory (no device-to-host sync), except check_varlen_values_on_host, for host tensors.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+
+#include "options.h"
+
+namespace flash_ext {
+
+// Dense batch: q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim).
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// Variable-length batch: q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim), cu_seqlens
+// int32 (batch + 1) on q's device, max_seqlen_* in int32 range.
+void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                         const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k);
+
+// The number of sequences of a variable-length call, from cu_seqlens_q's size.
+int64_t varlen_batch(const at::Tensor& cu_seqlens_q);
+
+// cu_seqlens' values, for host tensors (the CPU path): start at 0, never decrease, end at total_q / total_k,
+// no sequence longer than max_seqlen_*. A CUDA path cannot read them without waiting for the stream: there
+// they are the caller's contract.
+void check_varlen_values_on_host(const at::Tensor& q, const at::Tensor& k, const VarlenArgs& varlen);
+
+// `batch`: the number of (dense or packed) sequences, which a (batch, heads_q) alibi_slopes must match.
+void check_options(const AttentionOptions& options, const at::Tensor& q, int64_t batch);
+
+// The backward's dout, out (like q) and lse (float32 of `lse_shape`, named `lse_layout` in the message).
+void check_bwd_tensors(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
+                       at::IntArrayRef lse_shape, const char* lse_layout);
+
+}  // namespace flash_ext

@@ -1,0 +1,39 @@
+// The op bodies of each device, after the entry checks (registration.cpp): q, k, v checked, options
+// built by make_options, cu_seqlens contiguous.
+#pragma once
+
+#include <torch/types.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "options.h"
+
+namespace flash_ext {
+
+using FwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // out, lse, rng_state
+using BwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // dq, dk, dv
+
+FwdResult attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const AttentionOptions& options, const VarlenArgs& varlen);
+BwdResult attention_bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
+                            bool deterministic, const std::optional<at::Tensor>& rng_state, const VarlenArgs& varlen);
+// flash_ext.testing.dropout_keep_mask: the (batch, heads, seqlen_q, seqlen_k) keep mask (true = kept) that a
+// forward with this rng_state and dropout_p applies, from the same Philox function.
+at::Tensor dropout_keep_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t heads, int64_t seqlen_q,
+                                 int64_t seqlen_k, double dropout_p);
+
+#ifdef FLASH_EXT_WITH_CUDA
+FwdResult attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const AttentionOptions& options, const VarlenArgs& varlen);
+BwdResult attention_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
+                             bool deterministic, const std::optional<at::Tensor>& rng_state, const VarlenArgs& varlen);
+// Which kernels a dense call with these inputs takes, forward and backward (flash_ext.kernel_path).
+std::string kernel_path_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const AttentionOptions& options, bool deterministic);
+#endif
+
+}  // namespace flash_ext

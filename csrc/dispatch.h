@@ -1,0 +1,28 @@
+// From a filled-in params struct to the kernels: which family and instantiation runs a call, and the
+// backward's plan (bwd_plan.h). Host-only and torch-free; called by api/ops_cuda.cpp. The head dims and
+// families come from kernel_configs.h.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "bwd_plan.h"
+#include "params.h"
+
+namespace flash_ext {
+
+// Writes params.out and params.lse with the sm90 forward where it applies, else the sm80 one.
+void run_attention_fwd(const FwdParams& params, cudaStream_t stream);
+
+// Every decision of a backward call (bwd_plan.h). params holds the tensors (q, k, v, out, dout, dq, dk,
+// dv, lse) and options; its scratch pointers are not read.
+BwdPlan plan_attention_bwd(const BwdParams& params);
+
+// Runs the plan's three steps. params' scratch pointers are those the plan sized.
+void run_attention_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream);
+
+// Which kernels the forward and the backward of this call take, in words (flash_ext.kernel_path).
+std::string describe_kernels(const BwdParams& params);
+
+}  // namespace flash_ext
