@@ -10,6 +10,10 @@ Shapes: batch * seqlen = 16384 tokens, hidden 2048 (heads = 2048 / head_dim), he
     python benchmarks/bench_attention.py --head-dims 128 --seqlens 4k --causal true --ops fwd
     python benchmarks/bench_attention.py --merge benchmarks/results/h200.json --from-json out.json
                                                               # merge a device run's rows; no GPU needed
+    python benchmarks/bench_attention.py --from-json benchmarks/results/h200.json --markdown readme --update-doc README.md
+                                                              # refresh the README's table; no GPU needed
+    python benchmarks/bench_attention.py --impls flash_ext,flash_ext_sm80 --ops fwd
+                                                              # the sm80 kernels beside the sm90 ones on Hopper
 
 Timing: triton.testing.do_bench (median, L2 flushed before each run). TFLOP/s counts
 fwd = 4*b*h*sq*sk*d (halved when causal), bwd = 2.5x fwd, fwd_bwd = 3.5x fwd.
@@ -36,8 +40,8 @@ REPO = os.path.dirname(HERE)
 
 OPS = ("fwd", "bwd", "fwd_bwd")
 IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_ext_deterministic", "flash_ext_sm80")
-# flash_ext_deterministic (deterministic=True: no atomic dQ) and flash_ext_sm80 (FLASH_EXT_DISABLE_SM90=1:
-# the sm80 forward on a Hopper GPU) are measured only when asked for.
+# flash_ext_deterministic (deterministic=True: no atomic dQ) and flash_ext_sm80 (the sm80 kernels on a Hopper
+# GPU, under flash_ext.testing.sm90_kernels(False)) are measured only when asked for.
 DEFAULT_IMPLS = IMPLS[:4]
 SDPA_BACKEND_NAMES = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
@@ -64,20 +68,6 @@ def parse_int_list(text):
     if not values:
         raise argparse.ArgumentTypeError(f"empty list: {text!r}")
     return values
-
-
-@contextlib.contextmanager
-def env_set(name, value):
-    """os.environ[name] = value inside the block (flash_ext reads FLASH_EXT_DISABLE_SM90 per call)."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def parse_choice_list(choices):
@@ -120,6 +110,12 @@ def build_parser():
                         "no GPU needed")
     p.add_argument("--plot", metavar="PATH", help="PNG of TFLOP/s vs seqlen (see benchmarks/plot.py)")
     p.add_argument("--table", metavar="PATH", help="also write the final table to this text file")
+    p.add_argument("--markdown", choices=MARKDOWN_STYLES,
+                   help="print the rows as Markdown instead of the text table: 'readme' (fwd and bwd at 2k / 8k / "
+                        "16k, flash_ext beside SDPA FA2 and cuDNN) or 'full' (every row); with --from-json, no GPU")
+    p.add_argument("--update-doc", metavar="PATH",
+                   help="with --markdown STYLE: write the Markdown into PATH between the lines "
+                        "'<!-- bench_attention --markdown STYLE -->' and '<!-- /bench_attention --markdown STYLE -->'")
     p.add_argument("--list", action="store_true", help="print the planned shapes and exit")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a dry run of every code path with a wall-clock timer (use tiny --tokens/--hidden); "
@@ -297,6 +293,127 @@ def format_table(rows, impls=None):
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# Markdown tables for the docs (README.md, docs/performance.md), from a results JSON
+
+README_IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn")
+README_OPS = ("fwd", "bwd")
+README_SEQLENS = (2048, 8192, 16384)
+IMPL_TITLES = {"flash_ext": "flash_ext", "sdpa_flash": "SDPA FA2", "sdpa_cudnn": "SDPA cuDNN",
+               "sdpa_efficient": "SDPA mem-efficient", "flash_ext_deterministic": "flash_ext deterministic",
+               "flash_ext_sm80": "flash_ext sm80 kernels"}
+MARKDOWN_STYLES = ("readme", "full")
+
+
+def seqlen_label(n):
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def run_line(meta, rows):
+    """Where the rows come from: GPU, software, date, and the commit(s) of the rows (a merged file mixes
+    runs, so each impl's commit is named when they differ)."""
+    commits = {}
+    for r in rows:
+        commits.setdefault(r.get("commit") or meta.get("commit") or "unknown", set()).add(r["impl"])
+    order = {impl: i for i, impl in enumerate(IMPLS)}
+
+    def named(commit):
+        return f"`{commit}` ({', '.join(sorted(commits[commit], key=lambda i: order.get(i, 99)))})"
+
+    # The file's header (date, torch, cuDNN) is that of its latest run, at meta["commit"].
+    latest = meta.get("commit") if meta.get("commit") in commits else None
+    if len(commits) == 1:
+        where = f"commit `{next(iter(commits))}`"
+    elif latest:
+        where = f"commit {named(latest)}; earlier runs: " + ", ".join(named(c) for c in commits if c != latest)
+    else:
+        where = "commits " + ", ".join(named(c) for c in commits)
+    date = str(meta["date"])[:10] if meta.get("date") else "date not recorded"
+    cudnn = meta.get("cudnn")
+    cudnn = f", cuDNN {cudnn // 10000}.{cudnn // 100 % 100}" if isinstance(cudnn, int) else ""
+    return f"{meta.get('gpu', 'unknown GPU')}, torch {meta.get('torch', '?')}{cudnn}, {date}, {where}"
+
+
+def format_markdown(rows, meta, style):
+    """Markdown of the rows. readme: one table, fwd and bwd TFLOP/s at seqlen 2k / 8k / 16k for flash_ext,
+    SDPA FA2 and SDPA cuDNN, and flash_ext's ratio to each; full: one table per (op, case, dtype), every
+    seqlen and impl in the rows."""
+    dense = [r for r in rows if r.get("case", "dense") == "dense"]
+    cells = {(r["op"], r.get("dtype", "bf16"), r["head_dim"], bool(r["causal"]), r["seqlen_q"], r["impl"]): r
+             for r in dense if r["seqlen_q"] == r["seqlen_k"]}
+    lines = []
+    if style == "readme":
+        used = [r for r in dense if r["op"] in README_OPS and r["impl"] in README_IMPLS
+                and r["seqlen_q"] in README_SEQLENS and r.get("dtype", "bf16") == "bf16"]
+        missing = [i for i in README_IMPLS if not any(r["impl"] == i for r in used)]
+        seqs = " / ".join(seqlen_label(s) for s in README_SEQLENS)
+        lines.append(f"bf16 TFLOP/s at seqlen {seqs} ({run_line(meta, used)}):")
+        lines.append("")
+        head = ["op", "head dim", "causal"] + [IMPL_TITLES[i] for i in README_IMPLS]
+        head += [f"flash_ext / {IMPL_TITLES[i].replace('SDPA ', '')}" for i in README_IMPLS[1:]]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for op in README_OPS:
+            for hd in sorted({r["head_dim"] for r in used}):
+                for causal in (False, True):
+                    def value(impl, s):
+                        r = cells.get((op, "bf16", hd, causal, s, impl))
+                        return r["tflops"] if r else None
+
+                    cols = []
+                    for impl in README_IMPLS:
+                        vals = [value(impl, s) for s in README_SEQLENS]
+                        cols.append(" / ".join("-" if v is None else f"{v:.0f}" for v in vals))
+                    for peer in README_IMPLS[1:]:
+                        ratios = []
+                        for s in README_SEQLENS:
+                            mine, theirs = value("flash_ext", s), value(peer, s)
+                            ratios.append(f"{mine / theirs:.2f}" if mine and theirs else "-")
+                        cols.append(" / ".join(ratios))
+                    lines.append(f"| {op} | {hd} | {'yes' if causal else 'no'} | " + " | ".join(cols) + " |")
+        if missing:
+            lines.append("")
+            lines.append(f"Not in the results: {', '.join(IMPL_TITLES[i] for i in missing)}.")
+        return "\n".join(lines)
+
+    present = {r["impl"] for r in dense}
+    impls = [i for i in IMPLS if i in present] + sorted(present - set(IMPLS))
+    lines.append(f"TFLOP/s, median ({run_line(meta, dense)}); '-': not measured or not supported.")
+    groups = sorted({(r["op"], r.get("dtype", "bf16")) for r in dense},
+                    key=lambda k: (OPS.index(k[0]) if k[0] in OPS else len(OPS), k))
+    for op, dtype in groups:
+        lines += ["", f"**{op}** ({dtype}):", ""]
+        head = ["head dim", "causal", "seqlen", "batch x heads"] + [IMPL_TITLES.get(i, i) for i in impls]
+        head.append("flash_ext / best SDPA")
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        keys = sorted({(r["head_dim"], bool(r["causal"]), r["seqlen_q"]) for r in dense
+                       if (r["op"], r.get("dtype", "bf16")) == (op, dtype)})
+        for hd, causal, s in keys:
+            row = {i: cells.get((op, dtype, hd, causal, s, i)) for i in impls}
+            shape = next(r for r in row.values() if r)
+            cols = ["-" if row[i] is None else f"{row[i]['tflops']:.1f}" for i in impls]
+            sdpa = [row[i]["tflops"] for i in impls if i.startswith("sdpa") and row[i]]
+            best = max(sdpa, default=0)
+            ratio = f"{row['flash_ext']['tflops'] / best:.2f}" if row.get("flash_ext") and best > 0 else "-"
+            lines.append(f"| {hd} | {'yes' if causal else 'no'} | {seqlen_label(s)} | "
+                         f"{shape['batch']} x {shape['heads']} | " + " | ".join(cols) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def replace_block(path, name, text):
+    """Replace the text between the lines `<!-- name -->` and `<!-- /name -->` of path (a doc that shows
+    a generated table) with text."""
+    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    with open(path) as f:
+        doc = f.read()
+    i, j = doc.find(start), doc.find(end)
+    if i < 0 or j < i:
+        raise SystemExit(f"{path}: no {start} ... {end} block to replace")
+    doc = doc[: i + len(start)] + "\n" + text.rstrip("\n") + "\n" + doc[j:]
+    with open(path, "w") as f:
+        f.write(doc)
+    print(f"{path}: {name} table replaced")
+
+
 def load_plot_module():
     spec = importlib.util.spec_from_file_location("flash_ext_bench_plot", os.path.join(HERE, "plot.py"))
     module = importlib.util.module_from_spec(spec)
@@ -306,7 +423,15 @@ def load_plot_module():
 
 def finish(args, meta, rows, outputs):
     table = format_table(rows)
-    print("\n" + table)
+    if args.markdown:
+        markdown_rows = outputs.rows_for_plot(rows) if outputs is not None else rows
+        text = format_markdown(markdown_rows, meta, args.markdown)
+        if args.update_doc:
+            replace_block(args.update_doc, f"bench_attention --markdown {args.markdown}", text)
+        else:
+            print(text)
+    else:
+        print("\n" + table)
     if args.table:
         with open(args.table, "w") as f:
             f.write(f"# {meta.get('gpu')}  torch {meta.get('torch')}  cudnn {meta.get('cudnn')}  "
@@ -464,7 +589,8 @@ class Bench:
 
     def backend_ctx(self, impl):
         if impl == "flash_ext_sm80":
-            return env_set("FLASH_EXT_DISABLE_SM90", "1")
+            # Switches the extension's dispatch for the block (the C++ side reads no environment per call).
+            return self.flash_ext.testing.sm90_kernels(False)
         if impl.startswith("flash_ext"):
             return contextlib.nullcontext()
         return self.sdpa_kernel([self.backends[impl]])

@@ -1,5 +1,5 @@
 """Feature benchmark on CUDA: variable-length batches, sliding windows, softcap, ALiBi and dropout, each beside
-the plain kernel it should be measured against (issue targets in parentheses):
+the plain kernel it should be measured against (targets in parentheses):
 
   varlen   lengths drawn from 128..4096 summing to 16k tokens, against an equal-length batch of 16k
            tokens whose seqlen gives about the same work (varlen TFLOP/s >= 95% of it)
@@ -12,26 +12,31 @@ the plain kernel it should be measured against (issue targets in parentheses):
 bf16, head_dim 128, 16 heads (--head-dim D: heads = 2048 / D; the targets are stated at head_dim 128); fwd and
 bwd (deterministic=False) timed with triton's do_bench median.
 FLOPs count only the visible (query, key) pairs: 4 * heads * head_dim * pairs (bwd 2.5x).
-The window and softcap / ALiBi / dropout comparisons time their variants in turn, ROUNDS times over, and
+The window and softcap / ALiBi / dropout comparisons time their variants in turn over several rounds and
 report each variant's median over the rounds: the same kernel's time moves by 2-3% between the minutes of
 one device call (clocks, temperature), and timed once each, a variant and its baseline could fall on
 different sides of such a move. The default order (abba) times them in turn over 4 rounds, the order
-reversed every other round; --order fixed (3 rounds, always the same order) runs the baseline (full /
-causal, the heavier load) right before its band, whose time then carries that load's clock drop: in one
-device call (H200, stop 26) the window (1024, 0) backward measured 0.171x / 0.166x of causal in fixed order
-and 0.169x / 0.161x in abba order, for two builds.
+reversed every other round, so that neither variant always runs right after the heavier load; --order fixed
+(3 rounds, always the same order) runs the baseline (full / causal) right before its band, whose time then
+carries that load's clock drop (on an H200 the window (1024, 0) backward's ratio to causal measured 1-3%
+higher in fixed order than in abba order, for the same builds in one device call).
 
     python benchmarks/bench_features.py [--json PATH] [--only GROUPS] [--order fixed|abba] [--head-dim D]
+    python benchmarks/bench_features.py --from-json benchmarks/results/h200_features.json --markdown
+                                        # the rows as a Markdown table; no GPU needed
 """
 import argparse
+import datetime
 import json
 import random
 import statistics
 
 import torch
-from triton.testing import do_bench
 
-import flash_ext
+from bench_attention import git_commit, replace_block
+
+# Imported by main() when it measures: --from-json --markdown needs neither a GPU nor a built flash_ext.
+do_bench = flash_ext = None
 
 HEADS, HEAD_DIM, DTYPE = 16, 128, torch.bfloat16
 ROUNDS = 3
@@ -162,10 +167,50 @@ def bench_score_mods():
     return rows
 
 
+def relative(row, rows):
+    """What a row is measured against, in words: its baseline's TFLOP/s share, time ratio or slowdown."""
+    if "time_ratio_to_full" in row:
+        return (f"{row['time_ratio_to_full']:.3f}x the time of {'causal' if row['window'][1] == 0 else 'full'} "
+                f"attention (area {row['area_ratio']:.3f}x, target <= {row['target_ratio']:.3f}x)")
+    if "slowdown_vs_plain" in row:
+        return f"{100 * row['slowdown_vs_plain']:+.1f}% time vs plain"
+    if row["case"] == "varlen":
+        dense = [r for r in rows if r["case"] == "dense" and r["op"] == row["op"] and "batch" in r
+                 and r.get("causal") == row.get("causal")]
+        if dense:
+            return f"{100 * row['tflops'] / dense[0]['tflops']:.0f}% of the TFLOP/s of {dense[0]['label'].split(' causal')[0]}"
+    return "baseline"
+
+
+def format_markdown(data):
+    """The rows of a bench_features.py JSON as one Markdown table (fwd and bwd of a case on one line)."""
+    rows = data["rows"]
+    date = str(data["date"])[:10] if data.get("date") else "date not recorded"
+    head_dims = sorted({r["head_dim"] for r in rows})
+    lines = [f"flash_ext, bf16, head dim {', '.join(map(str, head_dims))} ({data.get('gpu', 'unknown GPU')}, torch "
+             f"{data.get('torch', '?')}, {date}, commit `{data.get('commit', 'unknown')}`):", "",
+             "| case | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | fwd | bwd |", "|---|---|---|---|---|---|---|"]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    for label in labels:
+        by_op = {r["op"]: r for r in rows if r["label"] == label}
+        fwd, bwd = by_op.get("fwd"), by_op.get("bwd")
+        cells = []
+        for r in (fwd, bwd):
+            cells += ["-", "-"] if r is None else [f"{r['ms']:.3f}", f"{r['tflops']:.0f}"]
+        cells += ["-" if r is None else relative(r, rows) for r in (fwd, bwd)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main():
-    global ORDER, HEAD_DIM, HEADS
+    global ORDER, HEAD_DIM, HEADS, do_bench, flash_ext
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--from-json", metavar="PATH", help="take the rows from this JSON instead of measuring")
+    parser.add_argument("--markdown", action="store_true", help="print the rows as a Markdown table")
+    parser.add_argument("--update-doc", metavar="PATH",
+                        help="with --markdown: write the table into PATH between the lines "
+                             "'<!-- bench_features --markdown -->' and '<!-- /bench_features --markdown -->'")
     groups = {"varlen": lambda: bench_varlen(False) + bench_varlen(True), "window": bench_window,
               "score_mods": bench_score_mods}
     parser.add_argument("--only", default=",".join(groups),
@@ -175,6 +220,21 @@ def main():
     parser.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=HEAD_DIM,
                         help="head dim of every case; heads = 2048 / head dim (default 128)")
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            data = json.load(f)
+        if not args.markdown:
+            parser.error("--from-json needs --markdown")
+        text = format_markdown(data)
+        if args.update_doc:
+            replace_block(args.update_doc, "bench_features --markdown", text)
+        else:
+            print(text)
+        return
+    from triton.testing import do_bench  # noqa: F811  (the measuring functions use the globals)
+
+    import flash_ext  # noqa: F811
+
     ORDER = args.order
     HEAD_DIM, HEADS = args.head_dim, 2048 // args.head_dim
     chosen = args.only.split(",")
@@ -182,9 +242,18 @@ def main():
     if unknown:
         parser.error(f"--only: unknown group(s) {unknown}; expected a comma list of {','.join(groups)}")
     rows = [row for name in chosen for row in groups[name]()]
+    data = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump(data, f, indent=1)
+    if args.markdown:
+        text = format_markdown(data)
+        if args.update_doc:
+            replace_block(args.update_doc, "bench_features --markdown", text)
+        else:
+            print(text)
 
 
 if __name__ == "__main__":

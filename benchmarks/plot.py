@@ -11,13 +11,15 @@ import json
 import os
 
 OPS = ("fwd", "bwd", "fwd_bwd")
-IMPL_ORDER = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+IMPL_ORDER = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_ext_deterministic", "flash_ext_sm80")
 # Fixed colours so an impl looks the same in every plot; flash_ext stands out.
 IMPL_STYLE = {
     "flash_ext": dict(color="tab:red", marker="o", linewidth=2.2),
     "sdpa_flash": dict(color="tab:blue", marker="s", linewidth=1.4),
     "sdpa_cudnn": dict(color="tab:green", marker="^", linewidth=1.4),
     "sdpa_efficient": dict(color="tab:purple", marker="v", linewidth=1.4),
+    "flash_ext_deterministic": dict(color="tab:orange", marker="o", linewidth=1.4, linestyle="--"),
+    "flash_ext_sm80": dict(color="tab:brown", marker="o", linewidth=1.4, linestyle=":"),
 }
 
 

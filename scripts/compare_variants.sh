@@ -5,14 +5,12 @@
 # local GPU and benchmarked with the same bench_attention.py arguments; with --tests, its CUDA tests run
 # too (with --sanitize also scripts/sanitize.py under compute-sanitizer memcheck and racecheck); with
 # --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
-# table (--features=score_mods: only some of its groups, a comma list, see its --only); with --spans=CASES,
-# benchmarks/kernel_breakdown.py --timeline (the GPU span of each backward, median of 20; ~0.5% spread
-# between repeats, against 1-4% for do_bench) twice over those cases (a comma list), and with
-# --fwd-spans=CASES the same for the forward. One file per
-# version comes back: $OUT/<name>.txt (build status, ptxas summary, test line, tables).
+# table (--features=score_mods: only some of its groups, a comma list, see its --only). Versions measured in
+# one call share the GPU's state (clocks, temperature), so their differences are more telling than numbers
+# from separate calls. One file per version comes back: $OUT/<name>.txt (build status, ptxas summary, test
+# line, tables).
 #
-#   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [--spans=CASES] [--fwd-spans=CASES]
-#                                    [-- BENCH ARGS]
+#   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
 # At most 7 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
@@ -28,8 +26,6 @@ TESTS=0
 SANITIZE=0
 FEATURES=0
 FEATURE_GROUPS=varlen,window,score_mods
-SPAN_CASES=
-FWD_SPAN_CASES=
 BENCH_ARGS=(--head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash)
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -37,8 +33,6 @@ while [ $# -gt 0 ]; do
     --sanitize) SANITIZE=1 ;;
     --features) FEATURES=1 ;;
     --features=*) FEATURES=1; FEATURE_GROUPS=${1#--features=} ;;
-    --spans=*) SPAN_CASES=${1#--spans=} ;;
-    --fwd-spans=*) FWD_SPAN_CASES=${1#--fwd-spans=} ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "compare_variants.sh: unknown argument $1" >&2; exit 64 ;;
   esac
@@ -77,15 +71,6 @@ measure() {  # name dir
       PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/bench_features.py --only "$FEATURE_GROUPS" ${FEATURE_ARGS:-} 2>&1 |
         grep -vE "^\s*$"
     fi
-    # The per-kernel times and the span per call of each case, twice; not the timeline's per-kernel lines.
-    spans() {
-      PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/kernel_breakdown.py "$@" --iters 20 --timeline 2>&1 |
-        grep -vE "^\s*$|^\s+-?[0-9.]+ \.\. |timeline of the last call"
-    }
-    for repeat in 1 2; do
-      [ -n "$SPAN_CASES" ] && spans --cases "$SPAN_CASES"
-      [ -n "$FWD_SPAN_CASES" ] && spans --forward --cases "$FWD_SPAN_CASES"
-    done
   ) 2>&1 | tee -a "$report"
 }
 

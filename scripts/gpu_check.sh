@@ -3,7 +3,7 @@
 # tests, benchmark against PyTorch SDPA, and leave everything in $OUT.
 #
 #   bash scripts/gpu_check.sh [--quick|--full] [--bench-anyway] [--skip-build] [--skip-tests]
-#                             [--no-bench] [--sanitize] [-- EXTRA BENCH ARGS]
+#                             [--no-bench] [--sanitize] [--features] [-- EXTRA BENCH ARGS]
 #
 #   --full          (default) full benchmark sweep (hd 64/128/256 x causal x seqlen 512..16k)
 #   --quick         benchmark hd128, seqlen 2k and 8k only
@@ -13,14 +13,8 @@
 #   --no-bench      build and test only
 #   --sanitize      after the tests, run scripts/sanitize.py under compute-sanitizer memcheck and
 #                   racecheck (sanitize.log; a finding counts as a test failure)
-#   --profile       after the tests, benchmarks/kernel_breakdown.py (per-kernel time of the backward, ours and
-#                   FA2's: breakdown.txt) and Nsight Compute of our kernels beside FA2's (8k; the cases in
-#                   GPU_CHECK_NCU_CASES, default "bwd:128 fwd:256"; "fwdcap:128": our forward plain and with
-#                   softcap 30, no FA2; "bwdwin:128" / "fwdwin:128": ours at window (1024, 0) and causal, 16k;
-#                   GPU_CHECK_NCU_SOURCE=1 adds the SourceCounters section, the SASS lines
-#                   with the most stall samples: ncu.txt; every case reports each pipe's utilisation)
-#   --features      after the benchmark, benchmarks/bench_features.py (varlen, window, softcap, ALiBi;
-#                   features.json/.txt) and benchmarks/memory_scaling.py (memory.json/.txt)
+#   --features      after the benchmark, benchmarks/bench_features.py (varlen, window, softcap, ALiBi,
+#                   dropout: features.json, features.txt)
 #   -- ARGS         passed on to benchmarks/bench_attention.py (e.g. -- --ops fwd --head-dims 64)
 #
 # Environment: OUT (default /tmp/flash_ext_out), PYTHON (python3), MAX_JOBS (16),
@@ -29,7 +23,8 @@
 # plans its phases to end by then; a device call is limited to 600 s), GPU_CHECK_BUILD_TIMEOUT_S (400).
 #
 # $OUT gets (7 files): gpu_check.log (all of the below), build.log (full compiler output),
-# ptxas.txt (registers/spills per kernel), pytest_cuda.log, bench.json, bench.png, bench_table.txt.
+# ptxas.txt (registers/spills per kernel), pytest_cuda.log, bench.json, bench.png, bench_table.txt;
+# with --sanitize also sanitize.log, with --features features.json and features.txt.
 # Exit status: 0 all good; 1 build failed; 2 CUDA tests failed; 3 benchmark failed or was cut short
 # (a sticky CUDA error, a correctness check, the time budget: see the log).
 set -euo pipefail
@@ -48,7 +43,6 @@ SKIP_TESTS=0
 NO_BENCH=0
 SANITIZE=0
 FEATURES=0
-PROFILE=0
 BENCH_EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -60,7 +54,6 @@ while [ $# -gt 0 ]; do
     --no-bench) NO_BENCH=1 ;;
     --sanitize) SANITIZE=1 ;;
     --features) FEATURES=1 ;;
-    --profile) PROFILE=1 ;;
     --) shift; BENCH_EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (try --help)" >&2; exit 64 ;;
@@ -229,49 +222,6 @@ EOF
     echo "sanitize: $sanitize_status"
   fi
 
-  # ---------------------------------------------------------------- profile
-  if [ "$PROFILE" = 1 ] && [ "$build_rc" = 0 ]; then
-    section "profile (kernel_breakdown.py, ncu)"
-    set +e
-    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 "$(min 120 $(($(remaining) - 60)))" \
-      "$PY" benchmarks/kernel_breakdown.py >"$OUT/breakdown.txt" 2>&1
-    cat "$OUT/breakdown.txt"
-    local ncu_args=(--clock-control none --launch-skip 2 --launch-count 1 --section SpeedOfLight
-                    --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis_Tables
-                    --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy
-                    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_[a-z_]+\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_[a-z_]+_cycles_active\.avg\.pct_of_peak_sustained_active")
-    [ "${GPU_CHECK_NCU_SOURCE:-0}" = 1 ] && ncu_args+=(--section SourceCounters)
-    # Each case (op:head_dim) profiles our kernel and FA2's at that shape (bf16, 8k).
-    local ncu_case op hd specs=() spec name script_args
-    for ncu_case in ${GPU_CHECK_NCU_CASES:-bwd:128 fwd:256}; do
-      op=${ncu_case%%:*}
-      hd=${ncu_case#*:}
-      if [ "$op" = bwd ]; then
-        specs+=("attention_bwd_dkdv|--backward --head-dim $hd" "flash_bwd_dq_dk_dv|--backward --head-dim $hd --impl sdpa_flash")
-      elif [ "$op" = bwdwin ]; then  # window (1024, 0) beside causal, 16k (what issue 5's ratio compares)
-        specs+=("attention_bwd_dkdv|--backward --head-dim $hd --seqlen 16384 --window 1024 0"
-                "attention_bwd_dkdv|--backward --head-dim $hd --seqlen 16384 --causal")
-      elif [ "$op" = fwdwin ]; then
-        specs+=("attention_fwd|--head-dim $hd --seqlen 16384 --window 1024 0" "attention_fwd|--head-dim $hd --seqlen 16384 --causal")
-      elif [ "$op" = fwdcap ]; then
-        specs+=("attention_fwd|--head-dim $hd" "attention_fwd|--head-dim $hd --softcap 30")
-      else
-        specs+=("attention_fwd|--head-dim $hd" "flash_fwd_kernel|--head-dim $hd --impl sdpa_flash")
-      fi
-    done
-    for spec in "${specs[@]}"; do
-      name=${spec%%|*}
-      script_args=${spec#*|}
-      [ "$(remaining)" -lt 90 ] && { echo "ncu: skipping $name (time)"; continue; }
-      echo "==== ncu $name ($script_args)" >>"$OUT/ncu.txt"
-      # shellcheck disable=SC2086
-      PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 "$(min 90 $(($(remaining) - 60)))" \
-        ncu "${ncu_args[@]}" --kernel-name "regex:$name" "$PY" benchmarks/profile_kernels.py $script_args >>"$OUT/ncu.txt" 2>&1
-      echo "ncu $name: rc $?"
-    done
-    set -e
-  fi
-
   # ---------------------------------------------------------------- benchmark
   if [ "$NO_BENCH" = 1 ]; then
     bench_status="skipped (--no-bench)"
@@ -302,22 +252,17 @@ EOF
     esac
   fi
 
-  # ---------------------------------------------------------------- feature benchmark, memory
+  # ---------------------------------------------------------------- feature benchmark
   local features_status="skipped"
   if [ "$FEATURES" = 1 ] && [ "$build_rc" = 0 ]; then
-    section "features and memory"
-    features_status=""
-    local script name
-    for script in bench_features memory_scaling; do
-      name=$([ "$script" = bench_features ] && echo features || echo memory)
-      set +e
-      PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 "$(min 240 $(($(remaining) - 20)))" \
-        "$PY" "benchmarks/$script.py" --json "$OUT/$name.json" >"$OUT/$name.txt" 2>&1
-      local script_rc=$?
-      set -e
-      cat "$OUT/$name.txt"
-      if [ "$script_rc" = 0 ]; then features_status+="$script ok; "; else features_status+="$script FAILED (rc $script_rc); "; fi
-    done
+    section "features (benchmarks/bench_features.py)"
+    set +e
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" timeout -k 10 "$(min 240 $(($(remaining) - 20)))" \
+      "$PY" benchmarks/bench_features.py --json "$OUT/features.json" >"$OUT/features.txt" 2>&1
+    local features_rc=$?
+    set -e
+    cat "$OUT/features.txt"
+    if [ "$features_rc" = 0 ]; then features_status="ok"; else features_status="FAILED (rc $features_rc)"; fi
   fi
 
   # ---------------------------------------------------------------- summary

@@ -6,7 +6,6 @@ wrong answer does not pass.
     compute-sanitizer --tool memcheck  python3 scripts/sanitize.py
     compute-sanitizer --tool racecheck python3 scripts/sanitize.py
 """
-import os
 import time
 
 import torch
@@ -29,11 +28,13 @@ cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal
     (1, 100, 2200, 8, 8, 64, False),  # sm90 dK/dV: 18 key blocks x 8 kv heads = 144 walks for <= 132 CTAs
     (1, 64, 3200, 16, 16, 64, False),  # sm90 dK/dV: 400 walks, ~3 per CTA (its buffers and tile slots reused)
 ]
-# Cases run with the sm80 kernels on Hopper too (FLASH_EXT_DISABLE_SM90): the split walks are theirs.
+# Cases run with the sm80 kernels on Hopper too (sm90_kernels(False)): the split walks are theirs.
 SM80_CASES = {(1, 512, 200, 4, 2, 128, False)}
-for batch, sq, sk, hq, hkv, hd, causal in cases:
-    started = time.monotonic()
-    os.environ["FLASH_EXT_DISABLE_SM90"] = "1" if (batch, sq, sk, hq, hkv, hd, causal) in SM80_CASES else "0"
+
+
+def check_case(batch, sq, sk, hq, hkv, hd, causal):
+    """Forward and both backward dQ paths of one case against the float64 reference."""
+    case = (batch, sq, sk, hq, hkv, hd, causal)
     q = torch.randn(batch, sq, hq, hd, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, sk, hkv, hd, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, sk, hkv, hd, device="cuda", dtype=torch.bfloat16)
@@ -44,16 +45,22 @@ for batch, sq, sk, hq, hkv, hd, causal in cases:
     inputs = [t.requires_grad_() for t in (q, k, v)]
     out = flash_ext.attention(*inputs, causal=causal)
     err = (out.double() - ref).abs().max().item()
-    assert err < 0.05, f"case {(batch, sq, sk, hq, hkv, hd, causal)}: forward max error {err}"
+    assert err < 0.05, f"case {case}: forward max error {err}"
     for deterministic in (False, True):
         out = flash_ext.attention(*inputs, causal=causal, deterministic=deterministic)
         grads = torch.autograd.grad(out, inputs, dout)
         for name, grad, ref_grad in zip(("dq", "dk", "dv"), grads, ref_grads):
             err = (grad.double() - ref_grad).abs().max().item()
             bound = 0.05 * max(1.0, ref_grad.abs().max().item())
-            assert err < bound, f"case {(batch, sq, sk, hq, hkv, hd, causal)}, deterministic={deterministic}: {name} error {err}"
+            assert err < bound, f"case {case}, deterministic={deterministic}: {name} error {err}"
+
+
+for case in cases:
+    started = time.monotonic()
+    with flash_ext.testing.sm90_kernels(case not in SM80_CASES):
+        check_case(*case)
     # Under racecheck a case takes seconds to minutes: the times show which one a timeout cut short.
-    print(f"case {(batch, sq, sk, hq, hkv, hd, causal)} ok in {time.monotonic() - started:.1f} s", flush=True)
+    print(f"case {case} ok in {time.monotonic() - started:.1f} s", flush=True)
 
 # The persistent sm90 forward (hd128 windows): 16 heads x 9 row blocks = 144 tiles for at most 132 CTAs, so
 # some CTAs walk two tiles through the same buffers; rows 0..399 see no key (tiles skipped, written as empty).
