@@ -7,13 +7,13 @@
 # --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
 # table (--features=score_mods: only some of its groups, a comma list, see its --only). Versions measured in
 # one call share the GPU's state (clocks, temperature), so their differences are more telling than numbers
-# from separate calls. One file per version comes back: $OUT/<name>.txt (build status, ptxas summary, test
-# line, tables).
+# from separate calls. Two files per version come back: $OUT/<name>.txt (build status, ptxas summary, test
+# line, tables) and $OUT/<name>.json (bench_attention.py's rows).
 #
 #   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
-# At most 7 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
+# At most 3 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
 # TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all), FEATURE_ARGS (more
 # bench_features.py arguments, e.g. "--head-dim 64").
 set -uo pipefail
@@ -64,7 +64,7 @@ measure() {  # name dir
         done
       fi
     fi
-    PYTHONPATH="$PWD" timeout 300 "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" 2>&1 |
+    PYTHONPATH="$PWD" timeout 300 "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" --json "$OUT/$name.json" 2>&1 |
       grep -E "^(op |-{8}|fwd |bwd |fwd_bwd |TFLOP)"
     if [ "$FEATURES" = 1 ]; then
       # shellcheck disable=SC2086  # FEATURE_ARGS: words

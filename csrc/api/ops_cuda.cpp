@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "../bwd_plan.h"
 #include "../dispatch.h"
@@ -161,7 +162,15 @@ std::string kernel_path_cuda(const at::Tensor& q_in, const at::Tensor& k_in, con
   const at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
   const BwdParams p = make_bwd_params(make_fwd_params(q, k, v, out, lse, options, VarlenArgs{}, RngState{}), out, dq,
                                       dk, dk, deterministic);
-  return describe_kernels(p);
+  const DeviceInfo& device = device_info(q_in.device().index());
+  std::string padding;
+  if (qkv.head_dim_padded != qkv.head_dim) {
+    padding = ", head_dim padded " + std::to_string(qkv.head_dim) + "->" + std::to_string(qkv.head_dim_padded);
+  }
+  return "cuda " + describe_kernels(p) + " (head_dim " + std::to_string(qkv.head_dim_padded) + padding + ", " +
+         std::string(c10::toString(q_in.scalar_type())) + ", causal=" + (options.causal ? "True" : "False") +
+         ", deterministic=" + (deterministic ? "True" : "False") + ") on sm_" + std::to_string(device.major) +
+         std::to_string(device.minor);
 }
 
 }  // namespace flash_ext
