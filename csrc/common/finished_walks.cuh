@@ -1,17 +1,17 @@
 // The handshake that lets the dQ conversion overlap the sm90 dK/dV kernel.
 //
 // Why: the dK/dV kernel runs one CTA per SM, and its last wave is often partial, while the conversion
-// (dq_accum -> dq, 201 MB at hd128, 16k x 16 heads) took ~51 us after it. A sequence's dQ rows of one head
+// (dq_accum -> dq, 201 MB at hd128, 16k x 16 heads) takes ~51 us after it. A sequence's dQ rows of one head
 // are final once every walk of that (batch, kv head) has added its dQ; the walks run key block fastest, then
 // kv head, then batch, so all but the last few heads are final well before the last wave ends. Measured
-// (H200, GPU time per backward, benchmarks/NOTES.md stop 22): window (1024, 1024) -1.2%; window (1024, 0)
-// nothing (its last key blocks have short walks, so its last wave leaves no SM idle); full 8 x 2k -2.3% in
-// one device call, nothing in another.
+// (H200, hd128, 16 heads, GPU time per backward, 2026-12-01): window (1024, 1024) at 16k -1.2%; window
+// (1024, 0) nothing (its last key blocks have short walks, so its last wave leaves no SM idle); full 8 x 2k
+// -2.3% in one run, nothing in another.
 //
 // How: each walk of the dK/dV kernel (a key block of one (batch, kv head)) adds 1 to
 // BwdParams::dkdv_finished[kFinishedCounterStride * (batch * heads_kv + kv_head)] with release semantics after
 // its dQ additions (not after its dK / dV stores, which the conversion does not read: a release after them
-// made every walk wait for them, ~0.5% of a window (1024, 0) backward's GPU time, stop 25); the conversion is
+// would make every walk wait for them, ~0.5% of a window (1024, 0) backward: H200, 2026-12-01); the conversion is
 // launched as a programmatic dependent (PDL) of the dK/dV kernel, so its CTAs start on the SMs that the kernel's persistent CTAs leave
 // as they run out of walks, and each warp waits (acquire) until its sequence's counter holds that sequence's
 // walk count. PDL lets the dependent start only once every dK/dV CTA has started and passed its own wait for
@@ -36,9 +36,7 @@ __device__ __forceinline__ void count_finished_walk(int* counter) {
 // Waits (called by every lane of a warp) until *counter >= expected; then each lane has read the counter
 // with acquire semantics, so that its later loads see what the counted CTAs wrote. Lane 0 polls, with
 // exponential backoff from 0.5 to 8 us, so that thousands of waiting warps do not keep one L2 slice busy
-// under the dK/dV kernel's traffic (a first version, every warp polling every 0.5 us, measured a causal 16k
-// backward 5% slower in one device call; causal's backward later proved bimodal between repeats of one
-// build, so that may have been noise). A counter that never gets there would be a bug in the launcher's
+// under the dK/dV kernel's traffic. A counter that never gets there would be a bug in the launcher's
 // arithmetic; rather than hang the process, the wait traps after ~10 seconds.
 __device__ __forceinline__ void wait_for_finished_walks(const int* counter, int expected) {
   auto load_acquire = [&] {

@@ -32,8 +32,8 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_dst, const void* gmem_s
 // threadIdx.x read anew (S2R) at each use: the compiler otherwise keeps one read live for the whole
 // kernel. For values needed once per tile copy in register-capped kernels a re-read costs less than a
 // register: the forward at head_dim 64 (168 registers for 3 CTAs per SM) spilled tid / 8 of its copies
-// and ran 2-3% faster with the re-read (H200, bf16, 2k / 8k). Used where a tile config asks for it
-// (kRereadThreadIndex); the backward's effect of it alone is not measured.
+// and runs 2-3% faster with the re-read (H200, bf16, 2k / 8k, 2026-11-30). Used where a tile config asks
+// for it (kRereadThreadIndex); its effect alone on the backward is not measured.
 __device__ __forceinline__ unsigned thread_index_reread() {
   unsigned tid;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
@@ -149,11 +149,10 @@ __device__ __forceinline__ uint32_t pack_float2<__half>(float lo, float hi) {
 
 // address[0..3] += x, y, z, w in global memory, without a return value (a reduction in L2).
 // sm90 has a 128-bit vector form (red.global.add.v4.f32): one atomic operation instead of four. Written
-// as PTX: atomicAdd(float4*) compiled to ATOMG (an atomic that returns the old values: 16 bytes per lane
-// back from L2 into 4 registers) in the sm90 dK/dV kernel, though the result is unused (a small test
-// kernel got REDG). As REDG the L2 went from 72% to 50% busy at window (1024, 0) and the sm90 backward
-// got 6-8% faster at head_dim 64 / 128, 6-20% at 256 (H200, benchmarks/NOTES.md stop 23). `address` is
-// 16-byte aligned.
+// as PTX: atomicAdd(float4*) compiles to ATOMG (an atomic that returns the old values: 16 bytes per lane
+// back from L2 into 4 registers) in the sm90 dK/dV kernel, though the result is unused. REDG takes the L2
+// from 72% to 50% busy at window (1024, 0) and makes the sm90 backward 6-8% faster at head_dim 64 / 128,
+// 6-20% at 256 (H200, bf16, 8k, 2026-12-01). `address` is 16-byte aligned.
 __device__ __forceinline__ void atomic_add_float4(float* address, float x, float y, float z, float w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(address), "f"(x), "f"(y), "f"(z), "f"(w)

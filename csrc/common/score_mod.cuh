@@ -62,8 +62,8 @@ struct ScoreMod {
   // The forward's score units (params.h, fwd_score_scale), one pass each (fwd_kernel.cuh): with softcap
   // it keeps tanh(s / softcap), not softcap * tanh(.) / softmax_scale, and its softmax multiplies by
   // softcap * log2(e) in the FFMA it does anyway (one FMUL per score less; ALiBi's slope is in those
-  // units). Measured: not faster by itself (softcap fwd +1.6% time beside the spilling kernel, H200, hd128,
-  // 8k); kept because with it the softcap / ALiBi / dropout forward spills nothing (CUDA 13.0, sm_90a).
+  // units). Not faster by itself (softcap fwd +1.6% time beside the spilling kernel, H200, hd128, 8k,
+  // 2026-11-30), but with it the softcap / ALiBi / dropout forward spills nothing (CUDA 13.0, sm_90a).
   __device__ __forceinline__ float fwd_tanh(float raw) const { return fast_tanh(raw * scale_over_cap); }
   __device__ __forceinline__ float fwd_with_alibi(float s, float row_on_diagonal, float key) const {
     return fmaf(-slope_fwd, fabsf(row_on_diagonal - key), s);

@@ -58,7 +58,7 @@ __device__ __forceinline__ void apply_softcap(float (&acc_s)[kMTiles][kNTilesS][
 }
 
 // ALiBi per score: bias -slope * |row_on_diagonal - key| (an FADD and an FFMA per score). lane: threadIdx.x %
-// 32, read by the caller (where each kernel read it as measured: the register allocation depends on it).
+// 32, read by the caller (where each kernel reads it matters to its register allocation).
 template <int kMTiles, int kNTilesS>
 __device__ __forceinline__ void add_alibi(float (&acc_s)[kMTiles][kNTilesS][4], int first_row, int first_key,
                                           const ScoreMod& mod, int lane) {

@@ -62,8 +62,8 @@ struct SwizzledRows {
   }
   // One move; an XOR where the column move is not a whole number of lines. The XOR is an asm volatile,
   // so it stays where the move is written (once per k-step in the GEMMs, warp_gemm.cuh) rather than
-  // XORed copies of every lane address being hoisted and kept live across the main loop. (With a plain
-  // `^` ptxas reported the same spills for the shipped kernels; the kernels were measured in this form.)
+  // XORed copies of every lane address being hoisted and kept live across the main loop. (A plain `^`
+  // gives the shipped kernels the same ptxas spills, but their timings are of this form.)
   __device__ __forceinline__ static uint32_t move(uint32_t address, int rows, int cols) {
     const int chunks = cols / 8;
     return xor_chunks(address, chunks & 7) + static_cast<uint32_t>((chunks & ~7) * 16 + rows * kRowBytes);

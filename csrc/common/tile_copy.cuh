@@ -16,12 +16,12 @@ namespace flash_ext {
 //
 // Thread layout, where a row is a whole number of 128-byte segments (head_dim 64, 128, 192, 256; 192 is
 // not measured separately): consecutive threads copy one segment, so a warp's copy instruction covers 4 rows x 128
-// bytes (FlashAttention-2's pattern); a row's segments are immediate offsets from one address. Measured against a warp
-// covering whole rows (256-512 contiguous bytes) on the H200 (bf16, seqlen 8k): forward hd256 277 -> 290 TFLOP/s
+// bytes (FlashAttention-2's pattern); a row's segments are immediate offsets from one address. Against a warp covering
+// whole rows (256-512 contiguous bytes; H200, bf16, seqlen 8k, 2026-11-30): forward hd256 277 -> 290 TFLOP/s
 // (kernel 3.92 -> 3.70 ms); hd64 / hd128 and the backward within run-to-run noise (1-2%); 64-byte segments (8 rows per
 // instruction) cost hd256 19% (235). ncu counted the same L2 sectors and requests either way, so the gain is not fewer
-// L2 transactions; where it comes from is not established. Other head dims (32, 96, 160, 224) keep the whole-row
-// layouts they were measured with. The row loop is not unrolled: unrolled, ptxas keeps every chunk's address live
+// L2 transactions; where it comes from is not established. Other head dims (32, 96, 160, 224) keep whole-row
+// layouts (segments untimed there). The row loop is not unrolled: unrolled, ptxas keeps every chunk's address live
 // across the main loop (hd128: ~60 more registers, and spills).
 //
 // kWholeTilePath: whole tiles (valid_rows >= kRows, a uniform branch) are copied by an unrolled loop:

@@ -162,8 +162,8 @@ __global__ void __launch_bounds__(Tile::kThreads)
   constexpr int kGradNTiles = Tile::kGradCols / 8;
   constexpr int kDqMTiles = Tile::kDqRows / 16;
   const bool fused_dq = params.dq_accum != nullptr;
-  // Q / dO copies of whole query blocks by tile_copy.cuh's unrolled path, up to head_dim 128. Measured
-  // (H200, bf16, 16k tokens, 2k / 8k): hd64 +2.7 / +1.9%, causal +2.5 / +2.8%; hd128 +2.0 / +2.3%, causal
+  // Q / dO copies of whole query blocks by tile_copy.cuh's unrolled path, up to head_dim 128 (H200, bf16,
+  // 16k tokens, 2k / 8k, 2026-11-30): hd64 +2.7 / +1.9%, causal +2.5 / +2.8%; hd128 +2.0 / +2.3%, causal
   // +1.9 / +2.4%; hd256 -1.2 / -1.5%, causal -1.1 / -0.5%.
   constexpr bool kWholeQueryTiles = kHeadDim <= 128;
 
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(Tile::kThreads)
         // compiler hoists out of the walk (loop-invariant but for first_query). Per block: the bounds of
         // the thread's first key, thread_key, clamped to [-32, kBlockQueries + 32] (its other keys are
         // 8, 16 and 24 further, so the clamps below stay exact in int32). ptxas and the H200 (bf16, 2k /
-        // 8k, same call) disagree with each other: per block, hd128 loses its 24 B spill but hd64 / 128
+        // 8k, 2026-11-30) disagree with each other: per block, hd128 loses its 24 B spill but hd64 / 128
         // run 4-5% slower (non-causal too, which never takes this path); hd256 runs 1.2-1.9% faster and
         // loses its 24 B spill. Per block from head_dim 160 (hd256's geometry; 160-224 not measured apart).
         constexpr bool kPerBlockBounds = kHeadDim > 128;

@@ -44,16 +44,16 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   constexpr int kNTilesO = kHeadDim / 8;  // mma n-tiles across the output's head dim
   constexpr int kChunksPerRow = kHeadDim * sizeof(Element) / 16;
   // K / V copies of whole tiles by tile_copy.cuh's unrolled path: in the softcap / ALiBi / dropout
-  // variant at head_dim 128 only. Measured (H200, bf16, 16k tokens, 8k): softcap 3.52 -> 3.30 ms, ALiBi
+  // variant at head_dim 128 only (H200, bf16, 16k tokens, 8k, 2026-11-30): softcap 3.52 -> 3.30 ms, ALiBi
   // flat; plain hd128 (2k / 8k) +0.6 / +0.2%, causal +3.8 / +1.4%, but beside the warp skip below ptxas
-  // spilled 88 / 80 B there, and the skip alone measured as much (and spills nothing); hd256 -2.8 /
-  // -3.3%, causal -1.9 / -3.7%; at hd64 ptxas spilled 48 / 36 B with it.
+  // spills 88 / 80 B there, and the skip alone gains as much without spills; hd256 -2.8 / -3.3%, causal
+  // -1.9 / -3.7%; at hd64 ptxas spills 48 / 36 B with it.
   constexpr bool kWholeKvTiles = kHeadDim == 128 && kExtras;
 
   // The tile copies re-read the thread index where Config says so (hd <= 64, register-capped) and, with
-  // 32-row warps (hd96 / 128), in the softcap / ALiBi / dropout variant: ptxas spilled the thread index
-  // there (8-24 B; CUDA 13.0, sm_90a). Not in plain attention at hd96 / 128: measured -1% at hd128 (H200,
-  // bf16, 2k-16k) and it spills nothing without.
+  // 32-row warps (hd96 / 128), in the softcap / ALiBi / dropout variant, where ptxas spills the thread
+  // index otherwise (8-24 B; CUDA 13.0, sm_90a). Not in plain attention at hd96 / 128: -1% at hd128 (H200,
+  // bf16, 2k-16k, 2026-11-30), and it spills nothing without.
   using CopyTile = std::conditional_t<kExtras && Config::kRowsPerWarp == 32, RereadThreadIndex<Config>, Config>;
 
   extern __shared__ __align__(128) unsigned char smem_bytes[];  // 128: the swizzled layout XORs address bits
@@ -161,11 +161,11 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   OnlineSoftmax<kMTiles> softmax;
 
   // ldmatrix lane addresses, kept across the loop, except that the register-capped kernel (hd <= 64, 3 CTAs
-  // per SM) forms Q's and K's per key block from a re-read thread index (ptx.cuh). Kept, ptxas spilled a
-  // part of them there (8 / 4 B; CUDA 13.0, sm_90a); V's per block too, or only Q's or K's, spilled 12-60 B.
-  // Measured at hd64 (H200, bf16, 2k / 8k / 16k): +0.6 / +2.0 / +0.8% (causal -0.5 / -0.4 / 0%) over
-  // keeping them; all three per block -0.3 to -2%. Per block in the softcap / ALiBi / dropout variant:
-  // hd128 spilled 40 B.
+  // per SM) forms Q's and K's per key block from a re-read thread index (ptx.cuh). Kept, a part of them
+  // spills there (8 / 4 B; CUDA 13.0, sm_90a); V's per block too, or only Q's or K's, spill 12-60 B. At
+  // hd64 (H200, bf16, 2k / 8k / 16k, 2026-11-30): +0.6 / +2.0 / +0.8% (causal -0.5 / -0.4 / 0%) over
+  // keeping them; all three per block -0.3 to -2%. Per block in the softcap / ALiBi / dropout variant,
+  // hd128 spills 40 B.
   constexpr bool kQkLaneAddressesPerBlock = !kExtras && Config::kMinCtasPerSm > 1;
   const uint32_t q_lane_addr_kept = a_lane_address<Rows>(smem_address(smem_q), warp_first_row, 0);
   const uint32_t k_lane_addr_kept = b_rows_n_lane_address<Rows>(smem_address(smem_k), 0, 0);
@@ -245,9 +245,9 @@ __global__ void __launch_bounds__(Config::kThreads, kExtras ? 1 : Config::kMinCt
   // skips its math and keeps only its share of the copies and the barriers. The softmax needs no
   // first-block call: its state starts at max -inf, sum 0, and a later block's update is exact from
   // there. Only with 32-row warps (with 16-row warps only a window's left edge has such blocks, and
-  // hd256 measured -1 to -2% with the branch), and not in the register-capped kernel (hd64, 3 CTAs per
-  // SM) nor in the softcap / ALiBi / dropout variant: with the branch ptxas spilled 152 B (hd64) and
-  // 440 B (hd128 extras) there (CUDA 13.0, sm_90a). Measured at hd128 (H200, bf16, 16k tokens, 2k / 8k):
+  // hd256 runs 1-2% slower with the branch), and not in the register-capped kernel (hd64, 3 CTAs per
+  // SM) nor in the softcap / ALiBi / dropout variant: with the branch ptxas spills 152 B (hd64) and
+  // 440 B (hd128 extras) there (CUDA 13.0, sm_90a). At hd128 (H200, bf16, 16k tokens, 2k / 8k, 2026-11-30):
   // +1.9 / +1.1%, causal +2.3 / +1.5%; window (1024, 0) at 16k 0.473 -> 0.457 ms.
   constexpr bool kSkipMissedBlocks = !kExtras && Config::kMinCtasPerSm == 1 && Config::kRowsPerWarp == 32;
   auto warp_misses_block = [&] {

@@ -51,14 +51,13 @@ struct RereadThreadIndex : Tile {
 //   score tile rows_per_warp * kBlockN / 32. 32-row warps fit up to head_dim 128 with
 //   kBlockN = 64 (ptxas, CUDA 13.0, sm_90a: 254 registers at hd128, no spills, with four copies of
 //   the key-block body in fwd_kernel.cuh; a fifth made it spill 304 B); above that warps own 16 rows.
-// Measured (benchmarks/tune_fwd_tiles.cu, H200, bf16, 16k tokens, hidden 2048, 2026-11-30;
-// TFLOP/s at seqlen 2k / 8k, non-causal):
+// Measured (H200, bf16, 16k tokens, hidden 2048, 2026-11-30; TFLOP/s at seqlen 2k / 8k, non-causal):
 //   hd64:  M128 N64 W4 300 / 311    M128 N128 W4 301 / 314 (causal 2k: 269 vs 259)
 //   hd128: M128 N64 W4 355 / 363    M128 N32 W4 245 / 260   M128 N64 W8 211 / 221
 //   hd256: M64 N64 W4  273 / 279    M128 N64 W8 254 / 266   M128 N32 W8 230 / 237
 // hd 160-224 take hd256's geometry (not measured separately).
 // hd <= 64 fits 3 CTAs per SM in registers (168 each, no spills; unconstrained, ptxas takes 232 and
-// only 2 fit: hd64 lost ~9% that way at c7c9a12/515c27a).
+// only 2 fit: hd64 ~9% slower, 2026-11-30).
 template <int kHeadDim>
 struct FwdTileFor {
   using type = std::conditional_t<

@@ -22,9 +22,9 @@
 // boundaries: it takes the next tile once it has issued this walk's last
 // query block (about kStages steps before the walk ends), loads the next walk's first query block as soon as
 // a buffer is free, its V once the last dPᵀ completed and its K once the last dQ did. So the next walk's
-// operands are landing while the consumers finish this walk and store its dK / dV. (Before, consumer thread 0
-// issued the next walk's ~26 loads after the walk's last wgmma, ~3400 cycles on the staging's critical path,
-// and the loads' latency, ~7500 cycles, was the walk boundary's: H200, stop 26's phase stamps.)
+// operands are landing while the consumers finish this walk and store its dK / dV. (Issued by a consumer after
+// the walk's last wgmma, the ~26 loads would put ~3400 cycles on the staging's critical path and their ~7500
+// cycles of latency on the walk boundary: H200, hd128, 2026-12-01.)
 // Otherwise (softcap / ALiBi / dropout, short of registers for 240 each) a CTA per walk of 8 warps: thread 0
 // issues K, V and the first blocks, and the last of the 8 warps done with a buffer reloads it.
 // Shared tiles are in the 128-byte swizzled layout (ptx_sm90.cuh, swizzle128_descriptor).
@@ -74,8 +74,8 @@ struct BwdSm90Tile {
   static constexpr int kBlockM = kHeadDim == 64 && !kExtras ? 128 : 64;
   static constexpr bool kDqSplitRows = kBlockM == 128;  // each warpgroup's dQ: 64 queries x the head dim
   // Persistent CTAs (one per SM, walks from a counter) for plain attention; the softcap / ALiBi / dropout
-  // variants, short of registers, keep a CTA per walk: persistent, they spilled more (hd128 dropout 100 ->
-  // 172 B) and ran no faster (softcap, ALiBi) or 8-11% slower (dropout) at 8k (H200, stop 24).
+  // variants, short of registers, keep a CTA per walk: persistent, they spill more (hd128 dropout 100 ->
+  // 172 B) and run no faster (softcap, ALiBi) or 8-11% slower (dropout) at 8k (H200, 2026-12-01).
   static constexpr bool kPersistent = !kExtras;
   // The consumers (two warpgroups); the persistent kernel adds a producer warpgroup (threads 256 .. 383).
   static constexpr int kWarps = 8;
@@ -116,8 +116,8 @@ struct BwdSm90Tile {
   static constexpr int kSmemBytes = kNextTileOffset + 8;
   // dK and dV leave through shared memory and TMA stores: 16-bit tiles in the Pᵀ / dSᵀ buffers (free between
   // walks: dK over the two dSᵀ buffers, dV over the two Pᵀ ones, in K's layout). Stored from registers
-  // instead (4-byte stores, 8 rows x 16 bytes per warp instruction), they took ~5 us per walk at hd128,
-  // ~76 us of a window (1024, 0) backward (H200, stop 25: a build without them). Not at head_dim 256,
+  // instead (4-byte stores, 8 rows x 16 bytes per warp instruction), they cost ~5 us per walk at hd128,
+  // ~76 us of a window (1024, 0) backward (H200, 16k, 2026-12-01, beside a build without stores). Not at hd256,
   // whose 64 KB of dK / dV exceed the 32 KB of those buffers.
   static constexpr int kGradBytes = kBlockN * kHeadDim * 2;  // dK or dV of the CTA's keys, 16 bits
   static constexpr bool kGradsByTma = kGradBytes <= 2 * kDsBytes;
@@ -166,8 +166,8 @@ struct BwdWalk {
     num_steps = heads_per_kv * blocks_per_head;
     // At head_dim 256 each walk starts at a different query block (rotated by its key block), so that the
     // walks of one head do not add into the same dQ rows at the same time (in order, the 128 walks of a head
-    // at 8k all visit query block 0, then 1, ..., and a step adds twice hd128's dQ bytes per FLOP). Measured
-    // (H200, bf16, 2k / 8k / 16k): hd256 +16 / +9 / +11%, causal -1.5 / +6 / +13%; hd64 -1%, hd128 -2 to +1%
+    // at 8k all visit query block 0, then 1, ..., and a step adds twice hd128's dQ bytes per FLOP). H200, bf16,
+    // 2k / 8k / 16k, 2026-11-30: hd256 +16 / +9 / +11%, causal -1.5 / +6 / +13%; hd64 -1%, hd128 -2 to +1%
     // (left unrotated).
     walk_rotation = blocks_per_head > 0 ? key_block % blocks_per_head : 0;
     sequence_accum_row =
@@ -288,11 +288,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   // would wait for the producer too), and (persistent) those between the consumers and the producer warp: one
   // per query buffer, at which every consumer thread releases it and the producer warp waits for it, and per
   // tile slot one at which the producer announces the tile and one at which the consumers free the slot.
-  // (Released through an mbarrier instead, arrivals by one lane per warp, compute-sanitizer's racecheck
-  // reported the consumers' ordinary loads of a buffer's lse / D as racing with the producer's next TMA into
-  // it: H200, stop 30. Named barriers are what it follows; racecheck reports none: stop 31.)
-  // scripts/dkdv_handoff_model.py checks this protocol (both sides' programs, barrier generations, the
-  // producer's drains) for deadlock and double arrival over every walk-length sequence up to a bound.
+  // (Named barriers, not mbarriers, because compute-sanitizer's racecheck follows them: with mbarrier releases
+  // it reports the consumers' lse / D loads as racing with the producer's next TMA; docs/design.md, Tried and
+  // not kept.)
   constexpr int kConsumerBarrier = 5;
   constexpr int kQueryBufferBarrier = 6;                      // + the buffer
   constexpr int kTileSlotFullBarrier = 6 + kStages;           // + the slot
@@ -356,7 +354,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
           ++walks_loaded;
         }
         // The next tile, once this walk's loads are all issued (a tile taken earlier would be held by this
-        // CTA while others may run out: stop 24), announced to the consumers; its K and V prefetched into L2.
+        // CTA while others may run out), announced to the consumers; its K and V prefetched into L2.
         // Slot (round + 1) % 2 is free once the consumers read its tile of two walks before.
         int next_tile = 0;
         if (leader) next_tile = static_cast<int>(gridDim.x) + atomicAdd(params.dkdv_tile_counter, 1);
@@ -732,8 +730,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         Tile::kGradsByTma && maps.grads_by_tma && (walk.valid_keys == kBlockN || !params.is_varlen());
     // Where dK / dV leave by TMA, thread 32 counts the walk after the staging barrier below, while thread 0
     // issues the stores: the count's release waits until the CTA's dQ additions are performed, and made by
-    // thread 0 before the staging, that wait stood in front of the barrier (window (1024, 0) GPU time 904 ->
-    // 898 us, (1024, 1024) unchanged; H200, stop 26).
+    // thread 0 before the staging, that wait would delay the barrier (thread 32: window (1024, 0) GPU time
+    // 904 -> 898 us, (1024, 1024) unchanged; H200, hd128, 16k, 2026-12-01).
     if (threadIdx.x == 0 && !(walk.has_keys && grads_by_tma)) count_walk();
     if (walk.has_keys && grads_by_tma) {
       // 16 bits in K's layout, one stmatrix per 16 keys x 16 columns (as store_p_ds).

@@ -1,9 +1,9 @@
 // Hopper (sm_90a) forward kernel: TMA loads and asynchronous warpgroup MMA (wgmma).
 //
 // Why a second forward: on mma.sync the tensor pipe and the softmax's MUFU work (exp2, softcap's tanh)
-// ran one after the other (benchmarks/NOTES.md, stop 14: softcap cost +16% time, one MUFU op per
-// score), and mma.sync peaks near 2/3 of the H200's tensor rate. A wgmma runs in the background of the
-// warpgroup that issued it, so one warpgroup's softmax overlaps the other's GEMMs.
+// run one after the other (softcap, one MUFU op per score, costs the sm80 forward +16% time: H200, hd128,
+// 8k, 2026-11-30), and mma.sync peaks near 2/3 of the H200's tensor rate. A wgmma runs in the background
+// of the warpgroup that issued it, so one warpgroup's softmax overlaps the other's GEMMs.
 //
 // One CTA computes kBlockM = 128 query rows of one (batch, head) with two warpgroups, each owning 64
 // rows (wgmma's M). Per key block of kBlockN keys:
@@ -69,7 +69,7 @@ struct FwdSm90Tile {
   // only two fit (64 + 2 x 64 KB).
   static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
   // Intra-warpgroup pipelining (the next S and the previous P V issued before the softmax) at head_dim 128
-  // only. Measured against the plain loop (H200, bf16, 8k): hd128 +5.9% / causal +4.5%, softcap 2.35 ->
+  // only. Against the plain loop (H200, bf16, 8k, 2026-11-30): hd128 +5.9% / causal +4.5%, softcap 2.35 ->
   // 2.13 ms, ALiBi 2.24 -> 2.14 ms; hd64 -2.4 / -3.5%; hd256 -22 / -14% (with 2 buffers block i + 1's K
   // goes into block i - 1's buffer, free only once that block's P V completed: every S waits for its load).
   static constexpr bool kPipelined = kHeadDim == 128;
@@ -204,11 +204,11 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   };
   // With one CTA per SM the hardware starts CTAs in launch order as SMs free up, so the CTA launched
   // num_sm_ids() after this one starts about when this one ends. Its Q (read by no other CTA: a DRAM miss
-  // otherwise) and its first K / V block go into L2 now. (A CTA's start is what a narrow window pays per ~9 key
-  // blocks: benchmarks/NOTES.md, stops 18-19.) Measured (H200, bf16, stop 19, two runs): 2k forward hd64
-  // +6%, hd128 +3-5%; 8k and windows within +-1.5% (a start still takes ~3100 cycles to Q's arrival, stop
-  // 19's timeline); hd256 -0.5 to -1.6% in both runs (its tiles are twice the bytes), so not there. Not for
-  // variable-length batches, where the tile's rows would need a read of cu_seqlens first.
+  // otherwise) and its first K / V block go into L2 now. (A narrow window pays a CTA start per ~9 key blocks.)
+  // H200, bf16, 16k tokens, 2026-11-30, two runs: 2k forward hd64 +6%, hd128 +3-5%; 8k and windows within
+  // +-1.5% (a start still takes ~3100 cycles to Q's arrival); hd256 -0.5 to -1.6% (its tiles are twice the
+  // bytes), so not there. Not for variable-length batches, where the tile's rows would need a read of
+  // cu_seqlens first.
   auto prefetch_next_wave_tile = [&]() {
     const uint32_t next = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) + num_sm_ids();
     const uint32_t next_z = next / (gridDim.x * gridDim.y);
@@ -300,8 +300,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
                            float (&o_factor)[2]) {
       const int key_block = num_key_blocks - 1 - i;
       bool rescale;
-      // The mask in both branches: the plain kernel's code as it was measured before the row offsets
-      // (SASS byte-identical; with one mask call after the branch its registers were renumbered).
+      // The mask in both branches keeps the plain kernel's SASS as it is without ALiBi's row offsets (one
+      // mask call after the branch renumbers its registers).
       if constexpr (kExtras) {
         float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
         if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
     }
   } else {
     // The plain loop (head_dim 64 and 256): per block S, wait, softmax, P V issued; the descriptors formed
-    // per k-step (the loop as measured at 14bbdd3).
+    // per k-step.
     // S = Q Kᵀ k-step t covers head-dim columns 16t .. 16t + 15: region t / 4, 32 bytes per step inside it.
     auto q_descriptor = [&](int t) {
       return swizzle128_descriptor(smem_q + (t / 4) * kBlockM * 128 + group * 64 * 128 + (t % 4) * 32, 16);

@@ -2,12 +2,12 @@
 //
 // Why a second sm90 forward: a window's row block visits few key blocks (9 at window (1024, 0)), and
 // fwd_kernel.cuh's CTA spends ~20% of such a tile outside its loop: barrier set-up and TMA descriptor
-// fetch, Q's arrival, block 0's unoverlapped S, the epilogue (benchmarks/NOTES.md, stop 19's timeline).
+// fetch, Q's arrival, block 0's unoverlapped S, the epilogue (H200, hd128, 16k, 2026-11-30).
 // Here one CTA per SM walks tiles blockIdx.x, + gridDim.x, ..., and a producer warp keeps loading ahead
 // across tile boundaries, so the next tile's Q and first K / V are in shared memory when its loop starts,
 // and each consumer warpgroup issues the next tile's first S before this tile's epilogue.
-// Measured (H200, bf16, 16k, 16 heads, beside fwd_kernel.cuh in the same runs): window (1024, 0)
-// 0.309-0.313 -> 0.273-0.279 ms, (1024, 1024) 0.543-0.563 -> 0.492-0.510 ms (benchmarks/NOTES.md, stop 21).
+// Against fwd_kernel.cuh (H200, bf16, hd128, 16 heads, 16k, 2026-12-01): window (1024, 0)
+// 0.309-0.313 -> 0.273-0.279 ms, (1024, 1024) 0.543-0.563 -> 0.492-0.510 ms.
 //
 // Roles (FlashAttention-3's warp specialisation): warpgroup 0 is the producer; one of its threads issues
 // every TMA load, the warpgroup gives its registers to the consumers (setmaxnreg: 24 per thread, the two
@@ -21,9 +21,7 @@
 //     a whole step to land with two buffers: K(g + 1) may load once S(g - 1) completed, V(g) once
 //     P V(g - 2) completed, and both are needed one step later.
 // Shared memory: 2 x 32 (Q) + 2 x 32 (K) + 2 x 32 (V) = 192 KB.
-// Tried and slower (stop 21): O stored by TMA (the Q buffer released once the store had read it: (1024, 0)
-// 0.277 -> 0.292 ms), O stored from registers without staging (0.293 ms), tiles ranked longest first and
-// dealt in alternating rounds to even out the CTAs' block counts (+-1-2%, branch next/fwd-ws-balanced-order).
+// O stored by TMA or unstaged, and tiles ranked longest first, are slower (docs/design.md, Tried and not kept).
 //
 // Launches it takes (fwd_launch_template.cuh): a bounded left window (a causal launch keeps fwd_kernel.cuh,
 // whose one-tile CTAs start heaviest-first), no variable-length batch, no softcap / ALiBi / dropout.
