@@ -195,12 +195,12 @@ def test_deterministic_backward_is_bitwise_reproducible():
             assert torch.equal(grad, grad_first), f"{name} differs between runs"
 
 
-def test_atomic_dq_path_keeps_dk_dv_bitwise_and_dq_close(monkeypatch):
+def test_atomic_dq_path_keeps_dk_dv_bitwise_and_dq_close(request):
     """deterministic=False: dK and dV have a single writer, so they are bit-identical to the
     deterministic path's; dQ differs at most by the rounding of differently ordered fp32 sums. (Both
     paths of the sm80 kernels: on Hopper the sm90 dK/dV kernel takes the atomic path at head_dim 128,
     with its own summation order: test_sm90_backward_is_taken.)"""
-    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
+    disable_sm90(request)
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 300, 280, 6, 2, 128, torch.bfloat16, device="cuda"))
     dout = torch.randn(2, 300, 6, 128, dtype=torch.bfloat16, device="cuda")
     grads = {}
@@ -223,17 +223,17 @@ def split_tail_inputs(heads_per_kv, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("heads_per_kv", [1, 2], ids=["mha", "gqa"])
-def test_gradients_with_split_tail_walks(heads_per_kv, monkeypatch):
+def test_gradients_with_split_tail_walks(heads_per_kv, request):
     """Whole waves of walks plus split tail walks; with GQA a piece may cross a query-head boundary.
     (The split is the sm80 dK/dV kernel's; on Hopper the sm90 one would take head_dim 128.)"""
-    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
+    disable_sm90(request)
     check_gradients(*split_tail_inputs(heads_per_kv), causal=False)
 
 
-def test_split_tail_walks_are_taken(monkeypatch):
+def test_split_tail_walks_are_taken(request):
     """The shapes above do run the split (its dK / dV conversion kernel shows in the profile), and causal
     attention, whose walks differ in length, does not."""
-    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
+    disable_sm90(request)
     kernels = {}
     for causal in (False, True):
         q, k, v = (t.requires_grad_() for t in split_tail_inputs(2))
@@ -384,6 +384,12 @@ def test_cuda_graph_capture():
 
 # ---- The sm90 (wgmma + TMA) forward: dense calls at head_dim 64 / 128 / 256 on an H100 / H200 take it ----
 
+
+def disable_sm90(request):
+    """Every call takes the sm80 kernels until the test ends (torch.ops.flash_ext.set_sm90_enabled)."""
+    previous = torch.ops.flash_ext.set_sm90_enabled(False)
+    request.addfinalizer(lambda: torch.ops.flash_ext.set_sm90_enabled(previous))
+
 def sm90_forward_expected():
     return torch.cuda.get_device_capability() == (9, 0) and "90a" in flash_ext.info()["cuda_archs"]
 
@@ -397,9 +403,9 @@ def forward_kernel_names(*args, **kwargs):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not sm90_forward_expected(),
                     reason="needs a compute capability 9.0 GPU and a build with 90a")
-def test_sm90_forward_is_taken(monkeypatch):
+def test_sm90_forward_is_taken(request):
     """hd64 / 128 / 256 calls run the sm90 kernel (plain, softcap, dropout, varlen); hd96 and
-    FLASH_EXT_DISABLE_SM90=1 the sm80 one; kernel_path says which."""
+    with sm90 disabled the sm80 one; kernel_path says which."""
     q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, device="cuda")
     for head_dim in (64, 128, 256):
         q, k, v = make_qkv(2, 300, 300, 4, 2, head_dim, torch.bfloat16, device="cuda")
@@ -416,7 +422,7 @@ def test_sm90_forward_is_taken(monkeypatch):
     names = forward_kernel_names(q, k, v)
     assert not any("sm90" in name for name in names), names
     q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, device="cuda")
-    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
+    disable_sm90(request)
     names = forward_kernel_names(q, k, v, causal=True)
     assert not any("sm90" in name for name in names) and any("attention_fwd_kernel" in name for name in names), names
     assert "sm90" not in flash_ext.kernel_path(q)
@@ -426,9 +432,9 @@ def test_sm90_forward_is_taken(monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (17, 17), (129, 127), (1000, 1000)])
-def test_sm80_forward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim, dtype, monkeypatch):
+def test_sm80_forward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim, dtype, request):
     """The sm80 forward at the head dims the sm90 one takes by default on Hopper still holds."""
-    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
+    disable_sm90(request)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype, device="cuda")
     check_cuda_forward(q, k, v, causal=causal)
 
@@ -446,7 +452,7 @@ def backward_kernel_names(q, k, v, **kwargs):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not sm90_forward_expected(),
                     reason="needs a compute capability 9.0 GPU and a build with 90a")
-def test_sm90_backward_is_taken(monkeypatch):
+def test_sm90_backward_is_taken(request):
     """hd64 / 128 / 256 backward calls (plain, causal, softcap, ALiBi, window, dropout, GQA, varlen) run the sm90
     dK/dV kernel; deterministic=True, other head dims and FLASH_EXT_DISABLE_SM90=1 the sm80 one. Its
     gradients match the deterministic sm80 path's within rounding."""
@@ -484,7 +490,7 @@ def test_sm90_backward_is_taken(monkeypatch):
         err = (fast.float() - exact.float()).abs().max().item()
         assert err <= bound, f"{name}: the sm90 and sm80 backward differ by {err} (bound {bound})"
 
-    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
+    disable_sm90(request)
     names = backward_kernel_names(q, k, v, causal=True)
     assert not any("sm90" in name for name in names) and any("attention_bwd_dkdv_kernel" in n for n in names), names
 
@@ -492,8 +498,8 @@ def test_sm90_backward_is_taken(monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (17, 17), (129, 127), (1000, 1000)])
-def test_sm80_backward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim, monkeypatch):
+def test_sm80_backward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim, request):
     """The sm80 dK/dV kernel at the head dims the sm90 one takes by default on Hopper still holds."""
-    monkeypatch.setenv("FLASH_EXT_DISABLE_SM90", "1")
+    disable_sm90(request)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.bfloat16, device="cuda")
     check_gradients(q, k, v, causal=causal)

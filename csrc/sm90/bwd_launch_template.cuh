@@ -12,20 +12,13 @@
 
 namespace flash_ext::sm90 {
 
-// The instantiation of the dK/dV kernel a call takes: plain, score modifiers, or dropout (with score
-// modifiers compiled in), with the tile each uses.
+// The dK/dV kernel's instantiations and the tile each uses (the plain one persistent and warp-specialised).
 template <typename Element, int kHeadDim>
-struct DkDvKernels {
+struct DkDvKernels : Sm90Variants<attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, false, false>,
+                                  attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, false>,
+                                  attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, true>> {
   using PlainTile = BwdSm90Tile<kHeadDim, false>;
   using ExtrasTile = BwdSm90Tile<kHeadDim, true>;
-  static constexpr auto kPlain = attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, false, false>;
-  static constexpr auto kScoreMods = attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, false>;
-  static constexpr auto kDropout = attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, true>;
-  static bool has_code(const BwdParams& params) {
-    return params.has_dropout()      ? has_sm90_code<kDropout>()
-           : params.has_score_mods() ? has_sm90_code<kScoreMods>()
-                                     : has_sm90_code<kPlain>();
-  }
 };
 
 // The tensors as TMA sees them (as in the forward): a variable-length batch is one packed batch entry.

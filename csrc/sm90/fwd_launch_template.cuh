@@ -12,22 +12,11 @@
 
 namespace flash_ext::sm90 {
 
-// The instantiation of the pipelined forward kernel a call takes: plain, score modifiers, or dropout (with
-// score modifiers compiled in).
+// The pipelined forward kernel's instantiations.
 template <typename Element, int kHeadDim>
-struct FwdKernels {
-  static constexpr auto kPlain = attention_fwd_sm90_kernel<Element, kHeadDim, false, false>;
-  static constexpr auto kScoreMods = attention_fwd_sm90_kernel<Element, kHeadDim, true, false>;
-  static constexpr auto kDropout = attention_fwd_sm90_kernel<Element, kHeadDim, true, true>;
-  static auto for_call(const FwdParams& params) {
-    return params.has_dropout() ? kDropout : params.has_score_mods() ? kScoreMods : kPlain;
-  }
-  static bool has_code(const FwdParams& params) {
-    return params.has_dropout()      ? has_sm90_code<kDropout>()
-           : params.has_score_mods() ? has_sm90_code<kScoreMods>()
-                                     : has_sm90_code<kPlain>();
-  }
-};
+using FwdKernels = Sm90Variants<attention_fwd_sm90_kernel<Element, kHeadDim, false, false>,
+                                attention_fwd_sm90_kernel<Element, kHeadDim, true, false>,
+                                attention_fwd_sm90_kernel<Element, kHeadDim, true, true>>;
 
 // The tensors as TMA sees them: (batch, rows, heads, head_dim); a variable-length batch is one packed batch
 // entry of total rows.

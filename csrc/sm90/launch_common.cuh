@@ -77,6 +77,23 @@ bool has_sm90_code() {
   return has_code;
 }
 
+// The three instantiations of an sm90 kernel (plain; score modifiers; dropout, with score modifiers compiled
+// in) and the one a call takes.
+template <auto Plain, auto ScoreMods, auto Dropout>
+struct Sm90Variants {
+  static constexpr auto kPlain = Plain;
+  static constexpr auto kScoreMods = ScoreMods;
+  static constexpr auto kDropout = Dropout;
+  static auto for_call(const FwdParams& params) {
+    return params.has_dropout() ? kDropout : params.has_score_mods() ? kScoreMods : kPlain;
+  }
+  static bool has_code(const FwdParams& params) {
+    return params.has_dropout()      ? has_sm90_code<Dropout>()
+           : params.has_score_mods() ? has_sm90_code<ScoreMods>()
+                                     : has_sm90_code<Plain>();
+  }
+};
+
 // Whether the current device is compute capability 9.0 (the sm_90a code runs nowhere else).
 inline bool device_is_sm90() {
   const DeviceInfo& device = current_device_info();
