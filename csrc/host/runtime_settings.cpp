@@ -19,4 +19,9 @@ RuntimeSettings& runtime_settings() {
   return settings;
 }
 
+namespace {
+// Read when the library loads, so that a later change of the environment does not matter.
+[[maybe_unused]] const RuntimeSettings& settings_at_load = runtime_settings();
+}  // namespace
+
 }  // namespace flash_ext

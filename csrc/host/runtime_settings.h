@@ -16,7 +16,7 @@ struct RuntimeSettings {
   std::atomic<bool> poison_scratch;
 };
 
-// The settings, initialised from the environment on first use.
+// The settings, initialised from the environment when the library loads.
 RuntimeSettings& runtime_settings();
 
 }  // namespace flash_ext
