@@ -80,7 +80,7 @@ def make_extension():
     # The torch-facing layer (csrc/api/, the only sources that include torch), the CPU implementation and
     # the runtime settings; a CUDA build adds the torch-free dispatch and the kernel instantiations.
     sources = [path for path in sorted(glob.glob("csrc/api/*.cpp")) if not path.endswith("ops_cuda.cpp")]
-    sources += ["csrc/cpu/attention_cpu.cpp", "csrc/host/runtime_settings.cpp"]
+    sources += sorted(glob.glob("csrc/cpu/*.cpp")) + ["csrc/host/runtime_settings.cpp"]
     if not with_cuda():
         reason = "FLASH_EXT_FORCE_CPU=1" if os.environ.get("FLASH_EXT_FORCE_CPU") == "1" else "no CUDA torch or no nvcc found"
         print(f"flash_ext: building the CPU path only ({reason})")

@@ -6,7 +6,10 @@
 #include <type_traits>
 
 #include "../common/launch.cuh"
-#include "bwd_kernels.cuh"
+#include "bwd_convert_kernels.cuh"
+#include "bwd_dkdv_kernel.cuh"
+#include "bwd_dq_kernel.cuh"
+#include "bwd_preprocess_kernel.cuh"
 #include "launch.h"
 
 namespace flash_ext::sm80 {

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) dK/dV kernel of the backward: TMA loads and asynchronous warpgroup MMA (wgmma).
-// It replaces the sm80 dK/dV kernel (sm80/bwd_kernels.cuh) where it takes the call; the preprocess
+// It replaces the sm80 dK/dV kernel (sm80/bwd_dkdv_kernel.cuh) where it takes the call; the preprocess
 // (D, the zeroed fp32 dQ accumulator, params.row_stats) and the dQ conversion are the sm80 launcher's.
 //
 // A CTA owns kBlockN = 128 keys of one (batch, kv head), 64 per warpgroup (wgmma's M), keeps K and V in
