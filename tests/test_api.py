@@ -49,7 +49,7 @@ BAD_INPUTS = [
     ("heads-not-multiple", lambda: (randn(1, 4, 3, 16), randn(1, 4, 2, 16), randn(1, 4, 2, 16), {}),
      RuntimeError, "heads_q (q.size(2) = 3) must be a multiple of heads_kv (k.size(2) = 2)"),
     ("heads-kv-zero", lambda: (randn(1, 4, 2, 16), randn(1, 4, 0, 16), randn(1, 4, 0, 16), {}),
-     RuntimeError, "must be a multiple of heads_kv (k.size(2) = 0)"),
+     RuntimeError, "k and v have 0 heads (k.size(2)) but q has 2; heads_kv must be >= 1"),
     ("head-dim-257", lambda: (randn(1, 4, 2, 257), randn(1, 4, 2, 257), randn(1, 4, 2, 257), {}),
      RuntimeError, "head_dim (last dimension of q) must be in 1..256, got 257"),
     ("head-dim-0", lambda: (randn(1, 4, 2, 0), randn(1, 4, 2, 0), randn(1, 4, 2, 0), {}),
