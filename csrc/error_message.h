@@ -1,4 +1,4 @@
-// Error messages of csrc/flash_api.cpp, built without streaming numbers through std::ostream.
+// Error messages of the torch-facing layer (csrc/api/), built without streaming numbers through std::ostream.
 //
 // Why: on the H200 machine (torch 2.11, extension built there) formatting a number through an
 // ostream inside this extension crashed the process (SIGSEGV in std::ostream::_M_insert<double>,

@@ -2,7 +2,7 @@
 // reads device memory (no device-to-host sync), except check_varlen_values_on_host, for host tensors.
 #pragma once
 
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

@@ -2,7 +2,7 @@
 // built by make_options, cu_seqlens contiguous.
 #pragma once
 
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>

@@ -1,5 +1,8 @@
 // The CPU path: the tiled implementation of csrc/cpu/ (the executable specification) on host tensors,
 // float32 as well as float16 / bfloat16.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
 #include <cstdint>
 
 #include "../common/philox.h"

@@ -1,5 +1,7 @@
 // The CUDA path: head dims padded to a kernel's, tensors in layouts the kernels read in place, the
 // outputs and the backward's scratch allocated (sized by its plan, bwd_plan.h), then dispatch.cpp.
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>

@@ -2,7 +2,7 @@
 // once, in make_options (params_from_tensors.h), at the op's entry (registration.cpp).
 #pragma once
 
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>

@@ -1,7 +1,7 @@
 // From tensors and options to the torch-free params structs (params.h) the kernels read.
 #pragma once
 
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 

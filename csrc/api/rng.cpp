@@ -1,6 +1,7 @@
 #include "rng.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/empty.h>
 
 #include <mutex>
 

@@ -3,7 +3,7 @@
 // [seed, offset], zeros without dropout), and handed back to the backward, which regenerates the mask.
 #pragma once
 
-#include <torch/types.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>
