@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 import torch  # noqa: F401  (loads libtorch before our extension)
 
-from . import _C  # noqa: F401  (registers the torch.ops.flash_ext ops)
+from . import _C  # type: ignore[attr-defined]  # noqa: F401  (registers the torch.ops.flash_ext ops)
 from . import _ops  # noqa: F401  (fake and autograd registrations)
 from . import reference, testing
 from ._info import info, kernel_path

@@ -1,72 +1,168 @@
-"""Python-side registrations for the ops defined in csrc/flash_api.cpp: fake (meta)
+"""Python-side registrations for the ops defined in csrc/api/checks.cpp: fake (meta)
 implementations, so torch.compile can trace them, and autograd, whose backwards are the
 `flash_ext::bwd` and `flash_ext::varlen_bwd` ops."""
 import math
 
 import torch
 
-
 # ---- Checks ------------------------------------------------------------------------------------
-# The checks of csrc/flash_api.cpp, for calls that reach the fakes: tracing (torch.compile) and any
+# The checks of csrc/api/checks.cpp, for calls that reach the fakes: tracing (torch.compile) and any
 # call with a tensor on the meta device, which would otherwise return uninitialised memory instead
-# of an error. (Checks of cu_seqlens' values need the values and stay in C++.)
+# of an error. They are written in Python (not called from C++) because they must work on
+# symbolic shapes. Each one mirrors its C++ counterpart: the same conditions in the same order,
+# the same messages, formatted as csrc/error_message.h formats them (dtypes as
+# c10::toString, shapes as [a, b], doubles as %g), so that a bad call fails alike on a real and on
+# a fake tensor (tests/test_check_parity.py). Checks of cu_seqlens' values need the values and stay
+# in C++.
+
+_INT32_MAX = 2**31 - 1
+
+# c10::toString(ScalarType) of the dtypes a message may name.
+_DTYPE_NAMES = {
+    torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double",
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+    torch.float8_e4m3fn: "Float8_e4m3fn", torch.float8_e5m2: "Float8_e5m2",
+}
+
+
+def _dtype(dtype):
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _sizes(shape):
+    return "[" + ", ".join(str(size) for size in shape) + "]"
+
+
+def _number(value):
+    try:
+        return format(value, "g")
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def _check_qkv_common(q, k, v):
+    is_cuda = q.device.type == "cuda"
+    torch._check(q.dtype in (torch.float16, torch.bfloat16) or (q.dtype == torch.float32 and not is_cuda),
+                 lambda: f"flash_ext: q has dtype {_dtype(q.dtype)}; expected float16 or bfloat16"
+                         + (" on CUDA" if is_cuda else " (or float32 on the CPU)"))
     for name, t in (("k", k), ("v", v)):
-        torch._check(t.dtype == q.dtype, lambda: f"flash_ext: {name} has dtype {t.dtype} but q has {q.dtype}")
+        torch._check(t.dtype == q.dtype, lambda: f"flash_ext: {name} has dtype {_dtype(t.dtype)} but q has "
+                                                 f"{_dtype(q.dtype)}; q, k and v must share one dtype")
+    for name, t in (("k", k), ("v", v)):
         torch._check(t.device == q.device, lambda: f"flash_ext: {name} is on {t.device} but q is on {q.device}; "
                                                    "q, k and v must be on one device")
-    torch._check(q.dtype in (torch.float16, torch.bfloat16, torch.float32),
-                 lambda: f"flash_ext: q has dtype {q.dtype}; expected float16 or bfloat16 (or float32 on the CPU)")
-    torch._check(k.shape == v.shape, lambda: f"flash_ext: k and v must have the same shape, got {k.shape} and {v.shape}")
-    torch._check(k.shape[-1] == q.shape[-1],
-                 lambda: f"flash_ext: k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]}")
-    torch._check(1 <= q.shape[-1] <= 256, lambda: f"flash_ext: head_dim must be in 1..256, got {q.shape[-1]}")
-    torch._check(k.shape[-2] >= 1 and q.shape[-2] % k.shape[-2] == 0,
-                 lambda: f"flash_ext: heads_q ({q.shape[-2]}) must be a multiple of heads_kv ({k.shape[-2]})")
+    torch._check(k.shape == v.shape, lambda: f"flash_ext: k and v must have the same shape, got k {_sizes(k.shape)} "
+                                             f"and v {_sizes(v.shape)}")
+    torch._check(k.shape[-1] == q.shape[-1], lambda: f"flash_ext: k has head_dim {k.shape[-1]} but q has head_dim "
+                                                     f"{q.shape[-1]}; q, k and v must share head_dim")
+    head_dim = q.shape[-1]
+    torch._check(1 <= head_dim <= 256,
+                 lambda: f"flash_ext: head_dim (last dimension of q) must be in 1..256, got {head_dim}")
+    # heads_q = heads_kv = 0 is an empty problem (empty results); heads_kv = 0 with heads_q > 0 is an error.
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    torch._check(heads_kv >= 1 or heads_q == 0,
+                 lambda: f"flash_ext: k and v have 0 heads (k.size({k.dim() - 2})) but q has {heads_q}; "
+                         "heads_kv must be >= 1")
+    torch._check(heads_kv == 0 or heads_q % heads_kv == 0,
+                 lambda: f"flash_ext: heads_q (q.size({q.dim() - 2}) = {heads_q}) must be a multiple of heads_kv "
+                         f"(k.size({k.dim() - 2}) = {heads_kv})")
 
 
 def _check_dense(q, k, v):
-    for name, t, dims in (("q", q, "(batch, seqlen_q, heads_q, head_dim)"), ("k", k, "(batch, seqlen_k, heads_kv, head_dim)"),
+    for name, t, dims in (("q", q, "(batch, seqlen_q, heads_q, head_dim)"),
+                          ("k", k, "(batch, seqlen_k, heads_kv, head_dim)"),
                           ("v", v, "(batch, seqlen_k, heads_kv, head_dim)")):
-        torch._check(t.dim() == 4, lambda: f"flash_ext: {name} must have 4 dimensions {dims}, got {t.dim()}")
+        torch._check(t.dim() == 4, lambda: f"flash_ext: {name} must have 4 dimensions {dims}, got {t.dim()} "
+                                           f"(shape {_sizes(t.shape)})")
     _check_qkv_common(q, k, v)
     torch._check(k.shape[0] == q.shape[0], lambda: f"flash_ext: k has batch {k.shape[0]} but q has batch {q.shape[0]}")
+    if q.device.type == "cuda":
+        torch._check(q.shape[0] * max(1, q.shape[2]) <= _INT32_MAX and q.shape[1] <= _INT32_MAX
+                     and k.shape[1] <= _INT32_MAX,
+                     lambda: "flash_ext: batch * heads and seqlens must each fit in int32")
 
 
-def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
+def _varlen_batch(cu_seqlens_q):
+    torch._check(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape[0] >= 1,
+                 lambda: f"flash_ext: cu_seqlens_q must be 1-D with batch + 1 entries, got shape "
+                         f"{_sizes(cu_seqlens_q.shape)}")
+    return cu_seqlens_q.shape[0] - 1
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     for name, t, dims in (("q", q, "(total_q, heads_q, head_dim)"), ("k", k, "(total_k, heads_kv, head_dim)"),
                           ("v", v, "(total_k, heads_kv, head_dim)")):
         torch._check(t.dim() == 3, lambda: f"flash_ext: {name} must have 3 dimensions {dims} for attention_varlen, "
-                                           f"got {t.dim()}")
+                                           f"got {t.dim()} (shape {_sizes(t.shape)})")
     _check_qkv_common(q, k, v)
+    torch._check(q.shape[0] <= _INT32_MAX and k.shape[0] <= _INT32_MAX,
+                 lambda: f"flash_ext: total_q and total_k must fit in int32 (cu_seqlens are int32), got {q.shape[0]} "
+                         f"and {k.shape[0]}")
+    batch = _varlen_batch(cu_seqlens_q)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        torch._check(cu.dtype == torch.int32, lambda: f"flash_ext: {name} must be int32, got {cu.dtype}")
+        torch._check(cu.dtype == torch.int32, lambda: f"flash_ext: {name} must be int32, got {_dtype(cu.dtype)}")
         torch._check(cu.dim() == 1 and cu.shape[0] >= 1,
-                     lambda: f"flash_ext: {name} must be 1-D with batch + 1 entries, got shape {tuple(cu.shape)}")
+                     lambda: f"flash_ext: {name} must be 1-D with batch + 1 entries, got shape {_sizes(cu.shape)}")
+        torch._check(cu.shape[0] == batch + 1,
+                     lambda: f"flash_ext: {name} has {cu.shape[0]} entries but cu_seqlens_q has {batch + 1}; both must "
+                             "have batch + 1 entries")
         torch._check(cu.device == q.device, lambda: f"flash_ext: {name} is on {cu.device} but q is on {q.device}")
-    torch._check(cu_seqlens_k.shape[0] == cu_seqlens_q.shape[0],
-                 lambda: f"flash_ext: cu_seqlens_k has {cu_seqlens_k.shape[0]} entries but cu_seqlens_q has "
-                         f"{cu_seqlens_q.shape[0]}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        torch._check(0 <= value <= _INT32_MAX, lambda: f"flash_ext: {name} must be in 0..2^31-1, got {value}")
+    return batch
+
+
+def _check_softmax_scale(softmax_scale):
+    torch._check(math.isfinite(softmax_scale) and softmax_scale > 0,
+                 lambda: f"flash_ext: softmax_scale must be a finite positive number, got {_number(softmax_scale)}")
 
 
 def _check_options(q, batch, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p):
-    torch._check(math.isfinite(softmax_scale) and softmax_scale > 0,
-                 lambda: f"flash_ext: softmax_scale must be a finite positive number, got {softmax_scale}")
-    torch._check(window_left >= -1, lambda: f"flash_ext: window_size[0] must be -1 (unbounded) or >= 0, got {window_left}")
-    torch._check(window_right >= -1,
-                 lambda: f"flash_ext: window_size[1] must be -1 (unbounded) or >= 0, got {window_right}")
+    _check_softmax_scale(softmax_scale)
+    torch._check(-1 <= window_left <= _INT32_MAX,
+                 lambda: "flash_ext: window_size[0] (keys left of the diagonal) must be -1 (unbounded) or >= 0, got "
+                         f"{window_left}")
+    torch._check(-1 <= window_right <= _INT32_MAX,
+                 lambda: "flash_ext: window_size[1] (keys right of the diagonal) must be -1 (unbounded) or >= 0, got "
+                         f"{window_right}")
     torch._check(math.isfinite(softcap) and softcap >= 0,
-                 lambda: f"flash_ext: softcap must be 0 (off) or a finite positive number, got {softcap}")
-    torch._check(0 <= dropout_p < 1, lambda: f"flash_ext: dropout_p must be in [0, 1), got {dropout_p}")
+                 lambda: f"flash_ext: softcap must be 0 (off) or a finite positive number, got {_number(softcap)}")
+    torch._check(0 <= dropout_p < 1, lambda: f"flash_ext: dropout_p must be in [0, 1), got {_number(dropout_p)}")
     if alibi_slopes is not None:
         heads_q = q.shape[-2]
         torch._check(alibi_slopes.dtype == torch.float32,
-                     lambda: f"flash_ext: alibi_slopes must be float32, got {alibi_slopes.dtype}")
+                     lambda: f"flash_ext: alibi_slopes must be float32, got {_dtype(alibi_slopes.dtype)}")
+        torch._check(alibi_slopes.device == q.device,
+                     lambda: f"flash_ext: alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
         torch._check(tuple(alibi_slopes.shape) in ((heads_q,), (batch, heads_q)),
-                     lambda: f"flash_ext: alibi_slopes must have shape (heads_q,) or (batch, heads_q), "
-                             f"got {tuple(alibi_slopes.shape)}")
+                     lambda: f"flash_ext: alibi_slopes must have shape (heads_q,) = ({heads_q},) or (batch, heads_q) = "
+                             f"({batch}, {heads_q}), got {_sizes(alibi_slopes.shape)}")
+
+
+def _check_bwd_tensors(dout, q, out, lse, lse_shape, lse_layout):
+    for name, t in (("dout", dout), ("out", out)):
+        torch._check(t.shape == q.shape and t.dtype == q.dtype and t.device == q.device,
+                     lambda: f"flash_ext: {name} must match q in shape, dtype and device, got {_sizes(t.shape)} "
+                             f"{_dtype(t.dtype)} on {t.device}")
+    torch._check(lse.dtype == torch.float32 and lse.device == q.device and tuple(lse.shape) == tuple(lse_shape),
+                 lambda: f"flash_ext: lse must be float32 of shape {lse_layout} on q's device, got {_sizes(lse.shape)} "
+                         f"{_dtype(lse.dtype)} on {lse.device}")
+
+
+def _check_rng_state(rng_state, dropout_p):
+    """The backward's rng_state: required when dropout is on, ignored otherwise."""
+    if dropout_p == 0:
+        return
+    torch._check(rng_state is not None,
+                 lambda: "flash_ext: the backward with dropout_p > 0 needs rng_state, the forward's third output")
+    _check_rng_state_values(rng_state)
+
+
+def _check_rng_state_values(rng_state):
+    torch._check(rng_state.dtype == torch.int64 and rng_state.numel() == 2,
+                 lambda: f"flash_ext: rng_state must be int64 [seed, offset] (2 elements), got "
+                         f"{_dtype(rng_state.dtype)} of shape {_sizes(rng_state.shape)}")
 
 
 # ---- Fakes -------------------------------------------------------------------------------------
@@ -91,8 +187,10 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
               softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     _check_dense(q, k, v)
+    _check_softmax_scale(softmax_scale)
+    _check_bwd_tensors(dout, q, out, lse, (q.shape[0], q.shape[2], q.shape[1]), "(batch, heads_q, seqlen_q)")
     _check_options(q, q.shape[0], softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
-    torch._check(dout.shape == q.shape and out.shape == q.shape, lambda: "flash_ext: dout and out must match q's shape")
+    _check_rng_state(rng_state, dropout_p)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -100,9 +198,8 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=Fals
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      deterministic=False, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
                      dropout_p=0.0):
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    _check_options(q, cu_seqlens_q.shape[0] - 1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                   dropout_p)
+    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_options(q, batch, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
     total_q, heads_q, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((heads_q, total_q), dtype=torch.float32)
@@ -113,15 +210,20 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                      causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
                      dropout_p=0.0, rng_state=None):
-    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    _check_options(q, cu_seqlens_q.shape[0] - 1, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                   dropout_p)
-    torch._check(dout.shape == q.shape and out.shape == q.shape, lambda: "flash_ext: dout and out must match q's shape")
+    batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_bwd_tensors(dout, q, out, lse, (q.shape[1], q.shape[0]), "(heads_q, total_q)")
+    _check_options(q, batch, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
+    _check_rng_state(rng_state, dropout_p)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("flash_ext::dropout_keep_mask")
 def _dropout_keep_mask_fake(rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p):
+    torch._check(batch >= 0 and heads >= 0 and seqlen_q >= 0 and seqlen_k >= 0,
+                 lambda: f"flash_ext: dropout_keep_mask sizes must be >= 0, got {batch}, {heads}, {seqlen_q}, "
+                         f"{seqlen_k}")
+    torch._check(0 <= dropout_p < 1, lambda: f"flash_ext: dropout_p must be in [0, 1), got {_number(dropout_p)}")
+    _check_rng_state_values(rng_state)
     return rng_state.new_empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool)
 
 

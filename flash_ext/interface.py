@@ -1,44 +1,145 @@
-"""The public entry points, flash_ext.attention and flash_ext.attention_varlen."""
+"""The public entry points, flash_ext.attention and flash_ext.attention_varlen.
+
+The Python-type contract of the arguments is checked here, once, before the op: flags are bools,
+window sides and max_seqlen_* are ints, softmax_scale / softcap / dropout_p are real numbers,
+alibi_slopes is None or a tensor. What can be checked on tensors (dtypes, shapes, devices, value
+ranges) is checked by the op: by csrc/api/checks.cpp and, for meta tensors and tracing, by the fakes
+of flash_ext/_ops.py, with the same messages.
+"""
+from __future__ import annotations
+
 import math
+import numbers
+import operator
+from typing import Any, Literal, Optional, Tuple, Union, overload
 
 import torch
+from torch import Tensor
 
 
 def _default_scale(head_dim):
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
 
 
+# ---- Python-type checks --------------------------------------------------------------------------
+# TypeError where an argument has the wrong Python type, ValueError where its value is unusable.
+# bool is rejected wherever an int or a real number is expected (True is an int in Python, but
+# `window_size=(True, 0)` or `softcap=True` is a mistake, not a number).
+
+
+def _describe(value: Any) -> str:
+    """A short description of a value for an error message: its repr (cut at 60 characters) and type."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} of type {type(value).__name__}"
+
+
+def _is_numpy_bool(value: Any) -> bool:
+    cls = type(value)
+    return cls.__module__ == "numpy" and cls.__name__ in ("bool_", "bool")
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if _is_numpy_bool(value):
+        return bool(value)
+    raise TypeError(f"flash_ext: {name} must be a bool (True or False), got {_describe(value)}")
+
+
+def _as_int(name: str, value: Any) -> Union[int, torch.SymInt]:
+    """A Python int, or an integer-like object (operator.index); not a bool, not a float."""
+    if type(value) is int or isinstance(value, torch.SymInt):
+        return value
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"flash_ext: {name} must be an int, got {_describe(value)}")
+
+
+def _as_real(name: str, value: Any) -> float:
+    """A Python float or int, or another real number (numbers.Real: numpy floats); not a bool, not a tensor."""
+    if type(value) is float or type(value) is int or isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and not _is_numpy_bool(value):
+        return float(value)
+    hint = " (pass a Python number, e.g. tensor.item())" if isinstance(value, Tensor) else ""
+    raise TypeError(f"flash_ext: {name} must be a real number (a float or an int), got {_describe(value)}{hint}")
+
+
+def _check_tensor(name: str, value: Any) -> None:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"flash_ext: {name} must be a torch.Tensor, got {_describe(value)}")
+
+
+def _window(window_size: Any) -> Tuple[Union[int, torch.SymInt], Union[int, torch.SymInt]]:
+    if isinstance(window_size, (str, bytes, Tensor)) or not hasattr(window_size, "__iter__"):
+        raise ValueError(f"flash_ext: window_size must be a pair (left, right) of ints, got {_describe(window_size)}")
+    sides = tuple(window_size)
+    if len(sides) != 2:
+        raise ValueError(f"flash_ext: window_size must be a pair (left, right) of ints, got {_describe(window_size)}")
+    return _as_int("window_size[0]", sides[0]), _as_int("window_size[1]", sides[1])
+
+
+def _check_alibi_slopes(alibi_slopes: Any) -> None:
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, Tensor):
+        raise TypeError("flash_ext: alibi_slopes must be None or a float32 torch.Tensor of shape (heads_q,) or "
+                        f"(batch, heads_q), got {_describe(alibi_slopes)}")
+    if alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError("flash_ext: alibi_slopes requires grad, but flash_ext does not compute the gradient of the "
+                         "ALiBi slopes; pass alibi_slopes.detach() (or fixed slopes that do not require grad)")
+
+
 def _options(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic):
-    """The ops' option arguments (see FLASH_EXT_OPTIONS_SCHEMA in csrc/flash_api.cpp), in order."""
+    """The ops' option arguments (see FLASH_EXT_OPTIONS_SCHEMA in csrc/api/registration.cpp), in order,
+    after the Python-type checks."""
+    causal = _as_bool("causal", causal)
+    deterministic = _as_bool("deterministic", deterministic)
     if softmax_scale is None:
-        softmax_scale = _default_scale(q.shape[-1])
-    try:
-        window_left, window_right = window_size
-    except (TypeError, ValueError):
-        raise ValueError(f"flash_ext: window_size must be a pair (left, right), got {window_size!r}") from None
-    return (float(softmax_scale), bool(causal), bool(deterministic), int(window_left), int(window_right),
-            float(softcap), alibi_slopes, float(dropout_p))
+        softmax_scale = float(_default_scale(q.shape[-1]))
+    else:
+        softmax_scale = _as_real("softmax_scale", softmax_scale)
+    window_left, window_right = _window(window_size)
+    softcap = _as_real("softcap", softcap)
+    _check_alibi_slopes(alibi_slopes)
+    dropout_p = _as_real("dropout_p", dropout_p)
+    return (softmax_scale, causal, deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p)
 
 
-def _attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-               dropout_p=0.0, deterministic=False):
+def _attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
+               window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+               dropout_p: float = 0.0, deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """flash_ext.attention's work: (out, lse, rng_state)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
     options = _options(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic)
     return torch.ops.flash_ext.fwd(q, k, v, *options)
 
 
-def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                      deterministic=False):
+def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                      max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                      softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
+                      softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
+                      deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """flash_ext.attention_varlen's work: (out, lse, rng_state)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_tensor(name, t)
+    max_seqlens = _as_int("max_seqlen_q", max_seqlen_q), _as_int("max_seqlen_k", max_seqlen_k)
     options = _options(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic)
-    return torch.ops.flash_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options)
+    return torch.ops.flash_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *max_seqlens, *options)
 
 
 _FEATURES_DOC = """
-        causal: mask keys in the future of each query. With seqlen_q != seqlen_k the mask is
-            aligned to the bottom-right corner: query i sees keys j <= i + seqlen_k - seqlen_q.
-            For seqlen_q = 2, seqlen_k = 5 (1 = attend)::
+        causal: a bool; True masks keys in the future of each query. With seqlen_q != seqlen_k
+            the mask is aligned to the bottom-right corner: query i sees keys
+            j <= i + seqlen_k - seqlen_q. For seqlen_q = 2, seqlen_k = 5 (1 = attend)::
 
                 1 1 1 1 0
                 1 1 1 1 1
@@ -57,28 +158,61 @@ _FEATURES_DOC = """
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 leaves that
             side unbounded. (-1, -1), the default, is full attention; (-1, 0) is causal; causal=True
             with a window clamps right to 0. Tiles outside the band are skipped, so the cost grows
-            with the window, not with seqlen_q * seqlen_k.
+            with the window, not with seqlen_q * seqlen_k. left and right are ints: Python ints or
+            integer-like objects (operator.index, e.g. numpy integers); a float or a bool is
+            rejected, not rounded.
         softcap: > 0 replaces each scaled score s = softmax_scale·q·k by softcap·tanh(s / softcap)
             before the softmax (Gemma 2, Grok); 0 (default) is off.
-        alibi_slopes: float32 (heads_q,) or (batch, heads_q): adds -slope·|i + seqlen_k - seqlen_q - j|
-            to the scores (after softcap). None (default) is off.
+        alibi_slopes: a float32 tensor (heads_q,) or (batch, heads_q) on q's device: adds
+            -slope·|i + seqlen_k - seqlen_q - j| to the scores (after softcap). None (default) is
+            off. The slopes get no gradient: slopes that require grad (with grad mode on) are
+            rejected; pass alibi_slopes.detach().
         dropout_p: probability of dropping each attention probability; kept ones are scaled by
             1 / (1 - dropout_p). 0 by default: dropout is never on unless asked for (pass
             `dropout_p if self.training else 0.0`). The mask comes from a counter-based Philox
             generator seeded from torch's generator of the device, so torch.manual_seed reproduces
             it; the backward regenerates it, nothing of size seqlen_q x seqlen_k is stored. lse is
             that of the undropped softmax.
-        deterministic: make the backward bit-reproducible run to run (may be slower on CUDA).
-        return_lse: also return lse = logsumexp of each row's scores (after softcap and ALiBi),
-            float32. lse carries no gradient.
+        deterministic: a bool; True makes the backward bit-reproducible run to run (may be slower
+            on CUDA).
+        return_lse: a bool; True also returns lse = logsumexp of each row's scores (after softcap
+            and ALiBi), float32. lse carries no gradient.
+
+    softmax_scale, softcap and dropout_p are real numbers (Python floats or ints, or numpy floats;
+    not bools, not tensors). A NaN or inf in q, k or v propagates into out, lse and the gradients
+    as in plain softmax attention (scaled_dot_product_attention's math backend): a query row whose
+    scores hold a NaN gets out and lse NaN, not the zeros of a row that sees no key.
 
     Every option above runs in the CUDA kernels (compute capability 8.0 and newer, float16 /
     bfloat16), forward and backward, in any combination; float32 inputs run on the CPU only.
 """
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              dropout_p=0.0, deterministic=False, return_lse=False):
+_Lse = Tuple[Tensor, Tensor]
+
+
+@overload
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
+              window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
+              dropout_p: float = ..., deterministic: bool = ..., return_lse: Literal[False] = ...) -> Tensor: ...
+
+
+@overload
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
+              window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
+              dropout_p: float = ..., deterministic: bool = ..., return_lse: Literal[True]) -> _Lse: ...
+
+
+@overload
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
+              window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
+              dropout_p: float = ..., deterministic: bool = ..., return_lse: bool) -> Union[Tensor, _Lse]: ...
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
+              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+              dropout_p: float = 0.0, deterministic: bool = False, return_lse: bool = False) -> Union[Tensor, _Lse]:
+    return_lse = _as_bool("return_lse", return_lse)
     out, lse, _ = _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                              deterministic=deterministic)
@@ -92,7 +226,8 @@ attention.__doc__ = """Exact softmax attention, softmax(q·kᵀ·scale)·v, with
         k, v: (batch, seqlen_k, heads_kv, head_dim), same dtype and device as q.
             heads_q must be a multiple of heads_kv (GQA/MQA: query head h uses kv head
             h // (heads_q // heads_kv); K and V are never repeated in memory).
-            head_dim is any value in 1..256.""" + _FEATURES_DOC + """
+            head_dim is any value in 1..256. heads_q = heads_kv = 0 is allowed (empty results);
+            heads_kv = 0 with heads_q > 0 is an error.""" + _FEATURES_DOC + """
     Returns:
         out shaped like q (contiguous), or (out, lse) when return_lse, lse (batch, heads_q, seqlen_q).
 
@@ -100,9 +235,34 @@ attention.__doc__ = """Exact softmax attention, softmax(q·kᵀ·scale)·v, with
     """
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     deterministic=False, return_lse=False):
+@overload
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
+                     window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
+                     dropout_p: float = ..., deterministic: bool = ..., return_lse: Literal[False] = ...) -> Tensor: ...
+
+
+@overload
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
+                     window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
+                     dropout_p: float = ..., deterministic: bool = ..., return_lse: Literal[True]) -> _Lse: ...
+
+
+@overload
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
+                     window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
+                     dropout_p: float = ..., deterministic: bool = ...,
+                     return_lse: bool) -> Union[Tensor, _Lse]: ...
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                     window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                     alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0, deterministic: bool = False,
+                     return_lse: bool = False) -> Union[Tensor, _Lse]:
+    return_lse = _as_bool("return_lse", return_lse)
     out, lse, _ = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                     softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                                     alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
@@ -121,7 +281,7 @@ attention_varlen.__doc__ = """Attention over a batch of sequences of different l
             head_dim as for flash_ext.attention.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: 0, then the running sums of
             the lengths, ending at total_q (total_k).
-        max_seqlen_q, max_seqlen_k: the longest query (key) sequence; at least the true maximum.
+        max_seqlen_q, max_seqlen_k: ints, the longest query (key) sequence; at least the true maximum.
             The CPU path checks cu_seqlens' values; a GPU path cannot without a device-to-host sync,
             so there they are the caller's contract.
         Below, seqlen_q and seqlen_k are the lengths of the query's own sequence, and batch is the

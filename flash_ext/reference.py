@@ -4,17 +4,24 @@ It materialises the (seqlen_q, seqlen_k) score matrix, so use it on small proble
 Every feature uses the coordinates of csrc/params.h: query row i, key column j and the diagonal
 j = i + seqlen_k - seqlen_q (bottom-right aligned).
 """
+from __future__ import annotations
+
 import math
+from typing import Any, Optional, Tuple, Union
 
 import torch
+from torch import Tensor
+
+_Device = Union[torch.device, str, int, None]
 
 
-def causal_mask(seqlen_q, seqlen_k, device=None):
+def causal_mask(seqlen_q: int, seqlen_k: int, device: _Device = None) -> Tensor:
     """Boolean (seqlen_q, seqlen_k) mask, True where query i may see key j (bottom-right aligned)."""
     return window_mask(seqlen_q, seqlen_k, (-1, 0), device=device)
 
 
-def window_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=None):
+def window_mask(seqlen_q: int, seqlen_k: int, window_size: Tuple[int, int] = (-1, -1), causal: bool = False,
+                device: _Device = None) -> Tensor:
     """Boolean (seqlen_q, seqlen_k) mask, True where query i sees key j:
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, a side being unbounded
     when it is -1; causal=True clamps right to 0."""
@@ -32,7 +39,7 @@ def window_mask(seqlen_q, seqlen_k, window_size=(-1, -1), causal=False, device=N
     return mask
 
 
-def alibi_bias(alibi_slopes, seqlen_q, seqlen_k):
+def alibi_bias(alibi_slopes: Tensor, seqlen_q: int, seqlen_k: int) -> Tensor:
     """-slope·|i + seqlen_k - seqlen_q - j| as (batch or 1, heads, seqlen_q, seqlen_k), in the slopes' dtype."""
     slopes = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes[None]
     rows = torch.arange(seqlen_q, device=slopes.device)[:, None]
@@ -41,14 +48,18 @@ def alibi_bias(alibi_slopes, seqlen_q, seqlen_k):
     return -slopes[:, :, None, None] * distance
 
 
-def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                  alibi_slopes=None, dropout_p=0.0, dropout_mask=None, upcast=True):
+def attention_ref(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                  window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                  dropout_p: float = 0.0, dropout_mask: Optional[Tensor] = None,
+                  upcast: bool = True) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse) like flash_ext.attention(..., return_lse=True).
 
     Scores: s = softmax_scale·q·k, then softcap·tanh(s / softcap) when softcap > 0, then the ALiBi
     bias, then the causal / window mask. lse is of these scores. Dropout needs the keep mask
     (bool (batch, heads_q, seqlen_q, seqlen_k), True = kept; flash_ext.testing.dropout_keep_mask gives
-    the one a flash_ext call used): kept probabilities are scaled by 1 / (1 - dropout_p).
+    the one a flash_ext call used): kept probabilities are scaled by 1 / (1 - dropout_p). A row that
+    sees no key has out 0 and lse -inf; a NaN in the inputs propagates into out and lse (and through
+    autograd into the gradients), except from keys the mask hides.
 
     upcast=True computes in float64 (the reference the kernels are measured against);
     upcast=False computes in the inputs' dtype, the error budget the tolerance rule scales.
@@ -76,15 +87,19 @@ def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores.float() if not upcast else scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
-    # Rows that see no key: softmax gives NaN; flash_ext defines their output as 0.
-    probs = torch.nan_to_num(probs, nan=0.0)
+    # Rows that see no key (every score -inf): softmax gives NaN; flash_ext defines their output as 0.
+    # A NaN that comes from the inputs stays NaN.
+    sees_no_key = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    probs = probs.masked_fill(sees_no_key, 0.0)
     if dropout_mask is not None:
         probs = probs.masked_fill(~dropout_mask.to(probs.device), 0.0) / (1 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse.float() if not upcast else lse
 
 
-def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_mask=None, **kwargs):
+def attention_varlen_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                         alibi_slopes: Optional[Tensor] = None, dropout_mask: Optional[Tensor] = None,
+                         **kwargs: Any) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse) like flash_ext.attention_varlen(..., return_lse=True): attention_ref on each
     sequence, out (total_q, heads_q, head_dim), lse (heads_q, total_q). dropout_mask is
     (batch, heads_q, max_seqlen_q, max_seqlen_k), sequence b using its top-left corner; a

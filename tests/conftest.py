@@ -4,6 +4,10 @@
   both report them as skipped on a CPU-only machine).
 - Each test gets its own random seed, derived from its node id: inputs differ from test to test
   but a failure reproduces when the test is run again.
+- Where CUDA is available, every test runs with the CUDA backward's scratch poisoned
+  (flash_ext.testing.poison_scratch): the fp32 dQ accumulator starts NaN-filled, so that a row whose
+  zeroing was missed or came late fails the gradient checks instead of passing on a fresh
+  allocation's zeros.
 - A clear error when `import flash_ext` finds a source tree without the built extension.
 """
 import os
@@ -12,16 +16,14 @@ import zlib
 import pytest
 import torch
 
-# Every CUDA backward in the tests starts from a NaN-filled fp32 dQ accumulator (csrc/flash_api.cpp,
-# debug_poison_scratch), so that a row whose zeroing was missed or came late fails the gradient checks
-# instead of passing on a fresh allocation's zeros.
-os.environ.setdefault("FLASH_EXT_DEBUG_POISON_SCRATCH", "1")
+# Slow tests run by default (CI runs them all); `-m "not slow"` leaves them out of a quick local run.
+SLOW_MARKER = "slow: torch.compile and larger cases; run by default, `-m 'not slow'` leaves them out"
 
 
 def pytest_configure(config):
     # Also declared in pyproject.toml; repeated here so a copy of tests/ runs without it.
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
-    config.addinivalue_line("markers", "slow: larger CPU cases")
+    config.addinivalue_line("markers", SLOW_MARKER)
     try:
         import flash_ext  # noqa: F401
     except ImportError as error:
@@ -39,6 +41,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def poison_cuda_scratch():
+    """Poisoned backward scratch for the whole session, where there is a GPU (without one the setting
+    would change nothing, and CPU-only runs never call the op that holds it)."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    import flash_ext.testing
+
+    with flash_ext.testing.poison_scratch(True):
+        yield
 
 
 @pytest.fixture(autouse=True)

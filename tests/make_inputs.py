@@ -53,3 +53,12 @@ def make_varlen_qkv(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, de
     k = torch.randn(sum(lengths_k), heads_kv, head_dim, **options)
     v = torch.randn(sum(lengths_k), heads_kv, head_dim, **options)
     return q, k, v, cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)
+
+
+def alibi_slopes(batch, heads, per_batch, device="cpu"):
+    """The usual geometric ALiBi slopes 2^(-8 (h + 1) / heads), float32 (heads,); (batch, heads), varied per
+    batch row, when per_batch."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, dtype=torch.float32, device=device) / heads)
+    if not per_batch:
+        return slopes
+    return slopes[None] * torch.rand(batch, 1, device=device) * 2

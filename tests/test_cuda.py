@@ -1,16 +1,17 @@
-"""The CUDA path: forward against the float64 reference (out and lse), determinism, layouts, checks.
-Every test here is marked `cuda` and is skipped where torch sees no GPU.
-
-Outputs cannot be NaN-filled before the launch (the op allocates them), so `poison_allocator` fills
-blocks of the sizes the op is about to allocate with 0xFF bytes (NaN in every float dtype) and frees
-them: the caching allocator most likely hands them to the op, and any element the kernel fails to
-write stays NaN. Every check also asserts that there is no NaN and compares all elements.
+"""The CUDA path where it has no CPU counterpart: gradients over head dims, seqlens and both dQ paths,
+the atomic dQ path against the deterministic one, split tail walks, the dQ conversion overlap, the
+persistent dK/dV CTAs, CPU/CUDA agreement, 64-bit offsets, CUDA graphs, and which kernels (sm80 or sm90)
+run. (The forward over head dims, seqlens, layouts and the other properties that hold on both devices is
+tested in test_numerics.py and test_api.py, with CUDA parameters marked `cuda`.) Every test here is
+marked `cuda` and is skipped where torch sees no GPU.
 """
 import pytest
 import torch
 
 import flash_ext
+from cuda_poison import check_cuda_forward
 from flash_ext.reference import attention_ref
+from flash_ext.testing import sm90_kernels
 from make_inputs import make_qkv, make_varlen_qkv
 from tolerance import FWD_FACTOR, assert_within_tolerance, check_gradients, check_varlen_gradients
 
@@ -22,137 +23,19 @@ pytestmark = [
 DTYPES = [torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp16", "bf16"]
 HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256, 59]
-SEQLEN_PAIRS = [(1, 1), (1, 239), (17, 17), (113, 203), (128, 217), (127, 512), (512, 256), (1023, 1024), (2048, 2048)]
 
 
-def padded_head_dim(head_dim):
-    return max(32, (head_dim + 31) // 32 * 32)
-
-
-def poison_allocator(q, k):
-    """Frees NaN-filled blocks of the sizes of the op's allocations (out, lse, padded q/k/v copies)."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    element = q.element_size()
-    padded = padded_head_dim(head_dim)
-    sizes = [
-        batch * seqlen_q * heads_q * padded * element,   # q copy / out (padded)
-        batch * seqlen_q * heads_q * head_dim * element,  # out
-        batch * seqlen_k * heads_kv * padded * element,  # k, v copies
-        batch * heads_q * seqlen_q * 4,  # lse
-    ]
-    blocks = [torch.full((max(1, n),), 0xFF, dtype=torch.uint8, device=q.device) for n in sizes for _ in range(2)]
-    del blocks
-
-
-def run_poisoned(q, k, v, **kwargs):
-    poison_allocator(q, k)
-    out, lse = flash_ext.attention(q, k, v, return_lse=True, **kwargs)
-    torch.cuda.synchronize()
-    return out, lse
-
-
-def check_cuda_forward(q, k, v, *, causal, softmax_scale=None):
-    """out and lse against the float64 reference, no NaN, and bit-identical on a second call."""
-    with torch.no_grad():
-        out64, lse64 = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale)
-        out_lowp, lse_lowp = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, upcast=False)
-    out, lse = run_poisoned(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
-    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    assert not torch.isnan(out).any(), f"out has {torch.isnan(out).sum().item()} NaN (unwritten or bad) elements"
-    assert not torch.isnan(lse).any(), f"lse has {torch.isnan(lse).sum().item()} NaN (unwritten or bad) elements"
-    assert_within_tolerance("out", out, out_lowp, out64, FWD_FACTOR)
-    assert_within_tolerance("lse", lse, lse_lowp, lse64, FWD_FACTOR)
-
-    out_again, lse_again = run_poisoned(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    assert torch.equal(out, out_again), "out differs between two identical calls"
-    assert torch.equal(lse, lse_again), "lse differs between two identical calls"
-    return out, lse
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_forward_head_dims(head_dim, dtype, causal):
-    q, k, v = make_qkv(2, 113, 203, 9, 9, head_dim, dtype, device="cuda")
-    check_cuda_forward(q, k, v, causal=causal)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("head_dim", [59, 64, 128])
-@pytest.mark.parametrize("heads_q,heads_kv", [(9, 3), (9, 1)], ids=["gqa", "mqa"])
-def test_forward_gqa_mqa(heads_q, heads_kv, head_dim, dtype, causal):
-    q, k, v = make_qkv(2, 512, 256, heads_q, heads_kv, head_dim, dtype, device="cuda")
-    check_cuda_forward(q, k, v, causal=causal)
-
-
-@pytest.mark.parametrize("head_dim,dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=["hd128-bf16", "hd64-fp16"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLEN_PAIRS)
-def test_forward_seqlens(seqlen_q, seqlen_k, causal, head_dim, dtype):
-    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 9, 9, head_dim, dtype, device="cuda")
-    check_cuda_forward(q, k, v, causal=causal)
-
-
-@pytest.mark.parametrize("softmax_scale", [0.05, 1.0])
-def test_forward_explicit_softmax_scale(softmax_scale):
-    q, k, v = make_qkv(2, 200, 300, 4, 2, 64, torch.bfloat16, device="cuda")
-    check_cuda_forward(q, k, v, causal=True, softmax_scale=softmax_scale)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_forward_large_scores(dtype):
-    """Scores with a spread of about +-100 overflow exp() unless the row max is subtracted."""
-    q, k, v = make_qkv(2, 300, 300, 4, 4, 64, dtype, device="cuda")
-    check_cuda_forward(q * 12, k, v, causal=True)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_rows_without_visible_keys(dtype):
-    """Causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key: out exactly 0, lse -inf."""
-    q, k, v = make_qkv(2, 300, 100, 4, 2, 64, dtype, device="cuda")
-    out, lse = check_cuda_forward(q, k, v, causal=True)
-    assert torch.equal(out[:, :200], torch.zeros_like(out[:, :200]))
-    assert torch.isneginf(lse[:, :, :200]).all() and torch.isfinite(lse[:, :, 200:]).all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("head_dim", [128, 59])
-@pytest.mark.parametrize("layout", ["transposed", "last_dim_strided", "offset_by_3", "offset_by_8"])
-def test_forward_input_layouts(layout, head_dim, dtype):
-    """Strided views and storage offsets give the reference's results, bit for bit those of contiguous copies."""
-    q, k, v = make_qkv(2, 177, 250, 8, 2, head_dim, dtype, device="cuda", layout=layout)
-    out, lse = check_cuda_forward(q, k, v, causal=True)
-    out_contiguous, lse_contiguous = run_poisoned(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
-    assert torch.equal(out, out_contiguous), f"out differs between {layout} and contiguous inputs"
-    assert torch.equal(lse, lse_contiguous), f"lse differs between {layout} and contiguous inputs"
-
-
-@pytest.mark.parametrize("batch,seqlen_q,seqlen_k", [(0, 5, 7), (2, 0, 7), (2, 5, 0)],
-                         ids=["batch0", "seqlen_q0", "seqlen_k0"])
-def test_empty_inputs(batch, seqlen_q, seqlen_k):
-    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, 4, 2, 59, torch.bfloat16, device="cuda")
-    out, lse = run_poisoned(q, k, v, causal=True)
-    assert out.shape == (batch, seqlen_q, 4, 59) and lse.shape == (batch, 4, seqlen_q)
-    assert torch.equal(out, torch.zeros_like(out))
-    assert torch.isneginf(lse).all()
+@pytest.fixture
+def sm80_only():
+    """The test runs with the sm90 kernels off (the sm80 ones run on every GPU from sm_80 on)."""
+    with sm90_kernels(False):
+        yield
 
 
 def test_float32_is_rejected_on_cuda():
     q, k, v = make_qkv(1, 8, 8, 2, 2, 64, torch.float32, device="cuda")
     with pytest.raises(RuntimeError, match="q has dtype Float; expected float16 or bfloat16 on CUDA"):
         flash_ext.attention(q, k, v)
-
-
-@pytest.mark.parametrize("cpu_argument", ["k", "v"])
-def test_inputs_on_different_devices_are_rejected(cpu_argument):
-    q, k, v = make_qkv(1, 8, 8, 2, 2, 64, torch.float16, device="cuda")
-    args = {"q": q, "k": k, "v": v}
-    args[cpu_argument] = args[cpu_argument].cpu()
-    with pytest.raises(RuntimeError, match=f"{cpu_argument} is on cpu but q is on cuda"):
-        flash_ext.attention(**args)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
@@ -173,34 +56,11 @@ def test_gradients_seqlens(seqlen_q, seqlen_k, heads_q, heads_kv, causal):
     check_gradients(q, k, v, causal=causal)
 
 
-def test_gradients_strided_inputs_and_dout():
-    q, k, v = make_qkv(2, 177, 250, 8, 2, 64, torch.float16, device="cuda", layout="transposed")
-    dout = torch.randn(2, 8, 177, 64, dtype=torch.float16, device="cuda").transpose(1, 2)  # non-contiguous dO
-    check_gradients(q, k, v, causal=True, dout=dout)
-
-
-def test_deterministic_backward_is_bitwise_reproducible():
-    """deterministic=True uses no atomics: 20 runs give identical bits. (With the default, dQ is
-    summed by fp32 atomics in whatever order the CTAs reach them, and so are dK and dV of split tail
-    walks: test_gradients_with_split_tail_walks.)"""
-    q, k, v = (t.requires_grad_() for t in make_qkv(2, 300, 280, 6, 2, 96, torch.bfloat16, device="cuda"))
-    dout = torch.randn(2, 300, 6, 96, dtype=torch.bfloat16, device="cuda")
-    first = None
-    for _ in range(20):
-        out = flash_ext.attention(q, k, v, causal=True, deterministic=True)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        if first is None:
-            first = grads
-        for name, grad, grad_first in zip(("dq", "dk", "dv"), grads, first):
-            assert torch.equal(grad, grad_first), f"{name} differs between runs"
-
-
-def test_atomic_dq_path_keeps_dk_dv_bitwise_and_dq_close(request):
+def test_atomic_dq_path_keeps_dk_dv_bitwise_and_dq_close(sm80_only):
     """deterministic=False: dK and dV have a single writer, so they are bit-identical to the
     deterministic path's; dQ differs at most by the rounding of differently ordered fp32 sums. (Both
     paths of the sm80 kernels: on Hopper the sm90 dK/dV kernel takes the atomic path at head_dim 128,
     with its own summation order: test_sm90_backward_is_taken.)"""
-    disable_sm90(request)
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 300, 280, 6, 2, 128, torch.bfloat16, device="cuda"))
     dout = torch.randn(2, 300, 6, 128, dtype=torch.bfloat16, device="cuda")
     grads = {}
@@ -223,17 +83,15 @@ def split_tail_inputs(heads_per_kv, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("heads_per_kv", [1, 2], ids=["mha", "gqa"])
-def test_gradients_with_split_tail_walks(heads_per_kv, request):
+def test_gradients_with_split_tail_walks(heads_per_kv, sm80_only):
     """Whole waves of walks plus split tail walks; with GQA a piece may cross a query-head boundary.
     (The split is the sm80 dK/dV kernel's; on Hopper the sm90 one would take head_dim 128.)"""
-    disable_sm90(request)
     check_gradients(*split_tail_inputs(heads_per_kv), causal=False)
 
 
-def test_split_tail_walks_are_taken(request):
+def test_split_tail_walks_are_taken(sm80_only):
     """The shapes above do run the split (its dK / dV conversion kernel shows in the profile), and causal
     attention, whose walks differ in length, does not."""
-    disable_sm90(request)
     kernels = {}
     for causal in (False, True):
         q, k, v = (t.requires_grad_() for t in split_tail_inputs(2))
@@ -309,31 +167,6 @@ def test_gradients_match_cpu_path():
         assert err <= 0.02 * scale, f"{name}: CPU and CUDA differ by {err} (magnitude {scale})"
 
 
-def test_info_and_kernel_path():
-    info = flash_ext.info()
-    assert info["build"] == "cuda", f"this flash_ext build has no CUDA kernels: {info}"
-    major, minor = torch.cuda.get_device_capability()
-    assert f"(sm_{major}{minor})" in info["device"]
-    q = torch.randn(1, 4, 2, 59, dtype=torch.bfloat16, device="cuda")
-    path = flash_ext.kernel_path(q, causal=True)
-    assert path.startswith("cuda") and "head_dim padded 59->64" in path and f"sm_{major}{minor}" in path, path
-    assert "head_dim 256" in flash_ext.kernel_path(q.new_empty(1, 4, 2, 256))
-
-
-def test_torch_compile_forward_matches_eager(compile_backend):
-    torch._dynamo.reset()
-
-    def scaled_attention(q, k, v, weight):
-        out, lse = flash_ext.attention(q, k, v, causal=True, return_lse=True)
-        return out * weight, lse
-
-    compiled = torch.compile(scaled_attention, fullgraph=True, backend=compile_backend)
-    q, k, v = make_qkv(2, 100, 140, 4, 2, 64, torch.bfloat16, device="cuda")
-    weight = torch.randn(q.shape, dtype=q.dtype, device="cuda")
-    for name, eager, compiled_result in zip(("out", "lse"), scaled_attention(q, k, v, weight), compiled(q, k, v, weight)):
-        assert torch.equal(compiled_result, eager), f"{name} differs between torch.compile and eager"
-
-
 def test_matches_cpu_path():
     """Same inputs on both devices: CUDA and the CPU specification agree within the rule's budget."""
     q, k, v = make_qkv(2, 150, 170, 4, 2, 96, torch.bfloat16, device="cpu")
@@ -384,12 +217,6 @@ def test_cuda_graph_capture():
 
 # ---- The sm90 (wgmma + TMA) forward: dense calls at head_dim 64 / 128 / 256 on an H100 / H200 take it ----
 
-
-def disable_sm90(request):
-    """Every call takes the sm80 kernels until the test ends (torch.ops.flash_ext.set_sm90_enabled)."""
-    previous = torch.ops.flash_ext.set_sm90_enabled(False)
-    request.addfinalizer(lambda: torch.ops.flash_ext.set_sm90_enabled(previous))
-
 def sm90_forward_expected():
     return torch.cuda.get_device_capability() == (9, 0) and "90a" in flash_ext.info()["cuda_archs"]
 
@@ -403,9 +230,9 @@ def forward_kernel_names(*args, **kwargs):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not sm90_forward_expected(),
                     reason="needs a compute capability 9.0 GPU and a build with 90a")
-def test_sm90_forward_is_taken(request):
+def test_sm90_forward_is_taken():
     """hd64 / 128 / 256 calls run the sm90 kernel (plain, softcap, dropout, varlen); hd96 and
-    with sm90 disabled the sm80 one; kernel_path says which."""
+    sm90_kernels(False) the sm80 one; kernel_path says which."""
     q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, device="cuda")
     for head_dim in (64, 128, 256):
         q, k, v = make_qkv(2, 300, 300, 4, 2, head_dim, torch.bfloat16, device="cuda")
@@ -422,19 +249,19 @@ def test_sm90_forward_is_taken(request):
     names = forward_kernel_names(q, k, v)
     assert not any("sm90" in name for name in names), names
     q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, device="cuda")
-    disable_sm90(request)
-    names = forward_kernel_names(q, k, v, causal=True)
+    with sm90_kernels(False):
+        names = forward_kernel_names(q, k, v, causal=True)
+        assert "sm90" not in flash_ext.kernel_path(q)
     assert not any("sm90" in name for name in names) and any("attention_fwd_kernel" in name for name in names), names
-    assert "sm90" not in flash_ext.kernel_path(q)
+    assert "sm90 wgmma" in flash_ext.kernel_path(q)  # the setting is restored
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (17, 17), (129, 127), (1000, 1000)])
-def test_sm80_forward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim, dtype, request):
+def test_sm80_forward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim, dtype, sm80_only):
     """The sm80 forward at the head dims the sm90 one takes by default on Hopper still holds."""
-    disable_sm90(request)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, dtype, device="cuda")
     check_cuda_forward(q, k, v, causal=causal)
 
@@ -452,9 +279,9 @@ def backward_kernel_names(q, k, v, **kwargs):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not sm90_forward_expected(),
                     reason="needs a compute capability 9.0 GPU and a build with 90a")
-def test_sm90_backward_is_taken(request):
+def test_sm90_backward_is_taken():
     """hd64 / 128 / 256 backward calls (plain, causal, softcap, ALiBi, window, dropout, GQA, varlen) run the sm90
-    dK/dV kernel; deterministic=True, other head dims and FLASH_EXT_DISABLE_SM90=1 the sm80 one. Its
+    dK/dV kernel; deterministic=True, other head dims and sm90_kernels(False) the sm80 one. Its
     gradients match the deterministic sm80 path's within rounding."""
     q, k, v = make_qkv(2, 300, 333, 4, 2, 128, torch.bfloat16, device="cuda")
     slopes = torch.rand(4, device="cuda")
@@ -490,16 +317,15 @@ def test_sm90_backward_is_taken(request):
         err = (fast.float() - exact.float()).abs().max().item()
         assert err <= bound, f"{name}: the sm90 and sm80 backward differ by {err} (bound {bound})"
 
-    disable_sm90(request)
-    names = backward_kernel_names(q, k, v, causal=True)
+    with sm90_kernels(False):
+        names = backward_kernel_names(q, k, v, causal=True)
     assert not any("sm90" in name for name in names) and any("attention_bwd_dkdv_kernel" in n for n in names), names
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 239), (17, 17), (129, 127), (1000, 1000)])
-def test_sm80_backward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim, request):
+def test_sm80_backward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim, sm80_only):
     """The sm80 dK/dV kernel at the head dims the sm90 one takes by default on Hopper still holds."""
-    disable_sm90(request)
     q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, torch.bfloat16, device="cuda")
     check_gradients(q, k, v, causal=causal)

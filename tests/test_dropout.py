@@ -1,12 +1,13 @@
-"""Dropout's random numbers on the CPU: Philox4x32-10 against its published known-answer vectors, the
-element mapping of csrc/common/philox.h (recomputed here in plain Python), the drop rate,
-independence from the shapes, reproducibility after torch.manual_seed, and that dropout is never on
-by default. (That forward and backward use the same mask is tested in test_features_cpu.py: both
+"""Dropout's random numbers: Philox4x32-10 against its published known-answer vectors, the element
+mapping of csrc/common/philox.h (recomputed here in plain Python), the drop rate, independence from the
+shapes, reproducibility after torch.manual_seed and that dropout is never on by default (these two on
+the CPU and on CUDA). (That forward and backward use the same mask is tested in test_features.py: both
 match the reference only with the call's own mask.)"""
 import pytest
 import torch
 
 import flash_ext
+from devices import parametrize_devices
 from flash_ext.testing import attention_varlen_with_rng_state, attention_with_rng_state, dropout_keep_mask
 from make_inputs import make_qkv, make_varlen_qkv
 
@@ -88,20 +89,29 @@ def test_keep_mask_does_not_depend_on_the_sequence_lengths():
     assert not torch.equal(small, dropout_keep_mask(torch.tensor([99, 17]), 2, 3, 10, 21, 0.3))
 
 
-def run_with_dropout(q, k, v, dout, **kwargs):
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse, rng_state = attention_with_rng_state(*leaves, dropout_p=0.17, **kwargs)
-    return (out.detach(), lse, rng_state, *torch.autograd.grad(out, leaves, dout))
+def run_with_dropout(q, k, v, dout, *, gradients, **kwargs):
+    leaves = [t.detach().clone().requires_grad_(gradients) for t in (q, k, v)]
+    out, lse, rng_state = attention_with_rng_state(*leaves, **kwargs)
+    grads = torch.autograd.grad(out, leaves, dout) if gradients else ()
+    return (out.detach(), lse, rng_state, *grads)
 
 
-def test_bitwise_reproducible_after_manual_seed():
-    q, k, v = make_qkv(2, 80, 96, 4, 2, 32, torch.bfloat16)
-    dout = torch.randn(q.shape, dtype=q.dtype)
+@parametrize_devices(
+    cpu=dict(setup=[dict(shape=(2, 80, 96, 4, 2, 32), causal=True, dropout_p=0.17, gradients=True)]),
+    # Forward only: the default CUDA backward sums dQ with atomics, so its bits need not repeat.
+    cuda=dict(setup=[dict(shape=(2, 300, 300, 4, 4, 64), causal=False, dropout_p=0.2, gradients=False)]),
+)
+def test_bitwise_reproducible_after_manual_seed(device, setup):
+    """The same torch.manual_seed gives the same rng_state and the same results, bit for bit; the next call
+    (the generator has moved on) draws another mask."""
+    q, k, v = make_qkv(*setup["shape"], torch.bfloat16, device=device)
+    dout = torch.randn(q.shape, dtype=q.dtype, device=device)
+    options = dict(causal=setup["causal"], dropout_p=setup["dropout_p"], gradients=setup["gradients"])
     torch.manual_seed(7)
-    first = run_with_dropout(q, k, v, dout, causal=True)
-    second_call = run_with_dropout(q, k, v, dout, causal=True)  # the generator has moved on
+    first = run_with_dropout(q, k, v, dout, **options)
+    second_call = run_with_dropout(q, k, v, dout, **options)  # the generator has moved on
     torch.manual_seed(7)
-    again = run_with_dropout(q, k, v, dout, causal=True)
+    again = run_with_dropout(q, k, v, dout, **options)
     for name, a, b in zip(("out", "lse", "rng_state", "dq", "dk", "dv"), first, again):
         assert torch.equal(a, b), f"{name} differs after the same torch.manual_seed"
     assert not torch.equal(first[2], second_call[2]), "two calls drew the same rng_state"
@@ -118,19 +128,15 @@ def test_varlen_dropout_reproducible_after_manual_seed():
         assert torch.equal(a, b)
 
 
-def test_no_dropout_unless_asked():
-    """The default is dropout_p = 0: the output is the undropped one, rng_state is zeros and the
-    generator is not advanced (eval code that forgets to pass dropout_p gets no silent dropout)."""
-    q, k, v = make_qkv(1, 40, 40, 2, 2, 16, torch.float32)
-    generator_state = torch.get_rng_state()
+@parametrize_devices(cpu=dict(dtype=[torch.float32], head_dim=[16], seqlen=[40]),
+                     cuda=dict(dtype=[torch.float16], head_dim=[64], seqlen=[16]))
+def test_no_dropout_unless_asked(device, dtype, head_dim, seqlen):
+    """The default is dropout_p = 0: the output is the undropped one, rng_state is zeros (on q's device) and
+    the device's generator is not advanced (eval code that forgets to pass dropout_p gets no silent dropout)."""
+    q, k, v = make_qkv(1, seqlen, seqlen, 2, 2, head_dim, dtype, device=device)
+    get_state = torch.cuda.get_rng_state if device == "cuda" else torch.get_rng_state
+    generator_state = get_state()
     out, _, rng_state = attention_with_rng_state(q, k, v)
-    assert torch.equal(torch.get_rng_state(), generator_state)
-    assert torch.equal(rng_state, torch.zeros(2, dtype=torch.int64))
+    assert torch.equal(get_state(), generator_state)
+    assert rng_state.device == q.device and torch.equal(rng_state.cpu(), torch.zeros(2, dtype=torch.int64))
     assert torch.equal(out, flash_ext.attention(q, k, v, dropout_p=0.0))
-
-
-def test_backward_needs_rng_state_with_dropout():
-    q, k, v = make_qkv(1, 8, 8, 2, 2, 16, torch.float32)
-    out, lse, _ = torch.ops.flash_ext.fwd(q, k, v, 0.25, False, False, -1, -1, 0.0, None, 0.2)
-    with pytest.raises(RuntimeError, match="needs rng_state"):
-        torch.ops.flash_ext.bwd(torch.randn_like(out), q, k, v, out, lse, 0.25, False, False, -1, -1, 0.0, None, 0.2)

@@ -1,77 +1,28 @@
 """The API of the features (window_size, softcap, alibi_slopes, dropout_p, attention_varlen) on the
-CPU: bad inputs and their messages, meta inputs, opcheck of the new ops and arguments, torch.compile."""
+CPU: bad inputs and their messages (also of the backward op called directly), meta inputs, opcheck of
+the new ops and arguments, torch.compile."""
 import pytest
 import torch
 
 import flash_ext
+from bad_inputs import BAD_BWD_INPUTS, BAD_OPTIONS, VALUES, ids, params, varlen_args
 from flash_ext.testing import attention_varlen_with_rng_state
 from make_inputs import make_qkv, make_varlen_qkv
 
 
-def dense_args():
-    q, k, v = make_qkv(2, 6, 7, 4, 2, 16, torch.float32)
-    return (q, k, v), {}
+@pytest.mark.parametrize("make,error_type,message", params(BAD_OPTIONS + VALUES), ids=ids(BAD_OPTIONS + VALUES))
+def test_bad_feature_inputs_are_rejected(make, error_type, message):
+    function, args, kwargs = make()
+    with pytest.raises(error_type) as error:
+        function(*args, **kwargs)
+    assert message in str(error.value)
+    assert "flash_ext:" in str(error.value)
 
 
-def varlen_args():
-    q, k, v, cu_q, cu_k = make_varlen_qkv([3, 0, 5], [4, 2, 1], 4, 2, 16, torch.float32)
-    return (q, k, v, cu_q, cu_k, 5, 4), {}
-
-
-def with_kwargs(make_args, **kwargs):
-    def make():
-        args, base = make_args()
-        return args, {**base, **kwargs}
-    return make
-
-
-def with_arg(make_args, index, make_value):
-    def make():
-        args, kwargs = make_args()
-        args = list(args)
-        args[index] = make_value(args)
-        return tuple(args), kwargs
-    return make
-
-
-# (id, function, argument maker, fragment of the message)
-BAD_OPTIONS = [
-    ("window-left-minus-2", with_kwargs(dense_args, window_size=(-2, 0)), "window_size[0]"),
-    ("window-right-minus-5", with_kwargs(dense_args, window_size=(3, -5)), "window_size[1]"),
-    ("window-not-a-pair", with_kwargs(dense_args, window_size=(3,)), "window_size must be a pair"),
-    ("softcap-negative", with_kwargs(dense_args, softcap=-1.0), "softcap must be 0 (off) or a finite positive"),
-    ("softcap-nan", with_kwargs(dense_args, softcap=float("nan")), "softcap must be 0 (off) or a finite positive"),
-    ("dropout-negative", with_kwargs(dense_args, dropout_p=-0.1), "dropout_p must be in [0, 1)"),
-    ("dropout-one", with_kwargs(dense_args, dropout_p=1.0), "dropout_p must be in [0, 1)"),
-    ("alibi-float64", with_kwargs(dense_args, alibi_slopes=torch.ones(4, dtype=torch.float64)),
-     "alibi_slopes must be float32"),
-    ("alibi-wrong-heads", with_kwargs(dense_args, alibi_slopes=torch.ones(3)), "alibi_slopes must have shape"),
-    ("alibi-wrong-batch", with_kwargs(dense_args, alibi_slopes=torch.ones(3, 4)), "alibi_slopes must have shape"),
-    ("alibi-rank-3", with_kwargs(dense_args, alibi_slopes=torch.ones(2, 4, 1)), "alibi_slopes must have shape"),
-    ("varlen-alibi-wrong-batch", with_kwargs(varlen_args, alibi_slopes=torch.ones(2, 4)),
-     "alibi_slopes must have shape"),
-    ("varlen-window", with_kwargs(varlen_args, window_size=(0, -3)), "window_size[1]"),
-    ("varlen-q-rank-4", with_arg(varlen_args, 0, lambda a: a[0][None]), "q must have 3 dimensions"),
-    ("varlen-k-rank-2", with_arg(varlen_args, 1, lambda a: a[1][0]), "k must have 3 dimensions"),
-    ("cu-seqlens-q-int64", with_arg(varlen_args, 3, lambda a: a[3].long()), "cu_seqlens_q must be int32"),
-    ("cu-seqlens-k-float", with_arg(varlen_args, 4, lambda a: a[4].float()), "cu_seqlens_k must be int32"),
-    ("cu-seqlens-q-2d", with_arg(varlen_args, 3, lambda a: a[3][None]), "cu_seqlens_q must be 1-D"),
-    ("cu-seqlens-k-length", with_arg(varlen_args, 4, lambda a: a[4][:3]), "cu_seqlens_k has 3 entries"),
-    ("cu-seqlens-q-start", with_arg(varlen_args, 3, lambda a: a[3] + 1), "cu_seqlens_q[0] must be 0"),
-    ("cu-seqlens-k-decreasing", with_arg(varlen_args, 4, lambda a: torch.tensor([0, 4, 3, 7], dtype=torch.int32)),
-     "cu_seqlens_k must be non-decreasing"),
-    ("cu-seqlens-q-end", with_arg(varlen_args, 3, lambda a: torch.tensor([0, 3, 3, 7], dtype=torch.int32)),
-     "cu_seqlens_q[-1] must equal total_q"),
-    ("max-seqlen-q-too-small", with_arg(varlen_args, 5, lambda a: 4), "max_seqlen_q must be at least the longest"),
-    ("max-seqlen-k-negative", with_arg(varlen_args, 6, lambda a: -1), "max_seqlen_k must be in 0..2^31-1"),
-]
-
-
-@pytest.mark.parametrize("make_args,message", [case[1:] for case in BAD_OPTIONS], ids=[case[0] for case in BAD_OPTIONS])
-def test_bad_feature_inputs_are_rejected(make_args, message):
-    args, kwargs = make_args()
-    function = flash_ext.attention_varlen if len(args) > 3 else flash_ext.attention
-    with pytest.raises((RuntimeError, ValueError)) as error:
+@pytest.mark.parametrize("make,error_type,message", params(BAD_BWD_INPUTS), ids=ids(BAD_BWD_INPUTS))
+def test_bad_bwd_inputs_are_rejected(make, error_type, message):
+    function, args, kwargs = make()
+    with pytest.raises(error_type) as error:
         function(*args, **kwargs)
     assert message in str(error.value)
     assert "flash_ext:" in str(error.value)
@@ -152,6 +103,7 @@ def varlen_loss(q, k, v, cu_q, cu_k, slopes, weight):
     return (out * weight).sum() + lse.clamp(min=-10).sum(), out, lse
 
 
+@pytest.mark.slow
 def test_torch_compile_varlen_with_every_feature():
     """fullgraph compile of attention_varlen with every feature: the same results as eager, bit for
     bit, dropout included (the same torch.manual_seed draws the same mask)."""

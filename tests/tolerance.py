@@ -145,6 +145,13 @@ def check_gradients(q, k, v, *, causal, softmax_scale=None, dout=None, **feature
     return grads
 
 
+def check_forward_and_gradients(q, k, v, *, causal=False, deterministic=False, **features):
+    """check_forward and check_gradients (deterministic chooses the backward's dQ path); returns (out, lse)."""
+    out, lse = check_forward(q, k, v, causal=causal, **features)
+    check_gradients(q, k, v, causal=causal, deterministic=deterministic, **features)
+    return out, lse
+
+
 def check_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, softmax_scale=None, **features):
     """flash_ext.attention_varlen's out and lse against the float64 per-sequence reference; returns (out, lse)."""
     max_seqlen_q, max_seqlen_k = max_seqlen(cu_seqlens_q), max_seqlen(cu_seqlens_k)
