@@ -2,6 +2,7 @@
 
     out = flash_ext.attention(q, k, v, causal=True)
     out = flash_ext.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = flash_ext.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
 
 q is (batch, seqlen_q, heads_q, head_dim); k and v are (batch, seqlen_k, heads_kv, head_dim); for
 attention_varlen the sequences are packed: (total, heads, head_dim).
@@ -14,6 +15,6 @@ from . import _C  # type: ignore[attr-defined]  # noqa: F401  (registers the tor
 from . import _ops  # noqa: F401  (fake and autograd registrations)
 from . import reference, testing
 from ._info import info, kernel_path
-from .interface import attention, attention_varlen
+from .interface import attention, attention_varlen, attention_with_kvcache
 
-__all__ = ["attention", "attention_varlen", "info", "kernel_path", "reference", "testing", "__version__"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "info", "kernel_path", "reference", "testing", "__version__"]

@@ -227,6 +227,119 @@ def _dropout_keep_mask_fake(rng_state, batch, heads, seqlen_q, seqlen_k, dropout
     return rng_state.new_empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.bool)
 
 
+def _check_int32_per_sequence(t, name, batch, q):
+    if t is None:
+        return
+    torch._check(t.dtype == torch.int32, lambda: f"flash_ext: {name} must be int32, got {_dtype(t.dtype)}")
+    torch._check(t.dim() == 1 and t.shape[0] == batch,
+                 lambda: f"flash_ext: {name} must have shape (batch,) = ({batch},), got {_sizes(t.shape)}")
+    torch._check(t.device == q.device, lambda: f"flash_ext: {name} is on {t.device} but q is on {q.device}")
+
+
+def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, num_splits):
+    """check_kvcache_inputs of csrc/api/ops_kvcache_cpu.cpp."""
+    torch._check(q.dim() == 4, lambda: f"flash_ext: q must have 4 dimensions (batch, seqlen_q, heads_q, head_dim), "
+                                       f"got {q.dim()} (shape {_sizes(q.shape)})")
+    torch._check(k_cache.dim() == 4,
+                 lambda: "flash_ext: k_cache must have 4 dimensions (batch_cache, seqlen_cache, heads_kv, head_dim) or "
+                         f"(num_blocks, page_size, heads_kv, head_dim), got {k_cache.dim()} (shape "
+                         f"{_sizes(k_cache.shape)})")
+    torch._check(v_cache.shape == k_cache.shape,
+                 lambda: f"flash_ext: k_cache and v_cache must have the same shape, got {_sizes(k_cache.shape)} and "
+                         f"{_sizes(v_cache.shape)}")
+    is_cuda = q.device.type == "cuda"
+    torch._check(q.dtype in (torch.float16, torch.bfloat16) or (q.dtype == torch.float32 and not is_cuda),
+                 lambda: f"flash_ext: q has dtype {_dtype(q.dtype)}; expected float16 or bfloat16"
+                         + (" on CUDA" if is_cuda else " (or float32 on the CPU)"))
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        torch._check(t.dtype == q.dtype, lambda: f"flash_ext: {name} has dtype {_dtype(t.dtype)} but q has "
+                                                 f"{_dtype(q.dtype)}; q and the caches must share one dtype")
+        torch._check(t.device == q.device, lambda: f"flash_ext: {name} is on {t.device} but q is on {q.device}")
+    batch, _, heads_q, head_dim = q.shape
+    heads_kv = k_cache.shape[2]
+    torch._check(k_cache.shape[3] == head_dim,
+                 lambda: f"flash_ext: k_cache has head_dim {k_cache.shape[3]} but q has head_dim {head_dim}; q and the "
+                         "caches must share head_dim")
+    torch._check(1 <= head_dim <= 256,
+                 lambda: f"flash_ext: head_dim (last dimension of q) must be in 1..256, got {head_dim}")
+    torch._check(heads_kv >= 1, lambda: "flash_ext: k_cache has 0 heads (k_cache.size(2)); heads_kv must be >= 1")
+    torch._check(heads_q % heads_kv == 0,
+                 lambda: f"flash_ext: heads_q (q.size(2) = {heads_q}) must be a multiple of heads_kv "
+                         f"(k_cache.size(2) = {heads_kv})")
+    capacity = k_cache.shape[1]
+    if block_table is not None:
+        torch._check(block_table.dtype == torch.int32,
+                     lambda: f"flash_ext: block_table must be int32, got {_dtype(block_table.dtype)}")
+        torch._check(block_table.dim() == 2 and block_table.shape[0] == batch,
+                     lambda: f"flash_ext: block_table must have shape (batch, max_blocks) with batch = {batch}, got "
+                             f"{_sizes(block_table.shape)}")
+        torch._check(block_table.device == q.device,
+                     lambda: f"flash_ext: block_table is on {block_table.device} but q is on {q.device}")
+        torch._check(k_cache.shape[1] >= 1,
+                     lambda: "flash_ext: with block_table, k_cache.size(1) is the page size and must be >= 1, got "
+                             f"{k_cache.shape[1]}")
+        torch._check(cache_batch_idx is None,
+                     lambda: "flash_ext: cache_batch_idx cannot be used with block_table (the block table already "
+                             "picks each sequence's pages)")
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        torch._check(cache_batch_idx is not None or k_cache.shape[0] == batch,
+                     lambda: f"flash_ext: k_cache has batch {k_cache.shape[0]} but q has batch {batch}; without "
+                             "block_table they must match (or pass cache_batch_idx to pick cache rows)")
+    torch._check((k is None) == (v is None),
+                 lambda: "flash_ext: k and v (the new keys and values) must be given together, got "
+                         + ("k without v" if k is not None else "v without k"))
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            torch._check(t.dim() == 4 and t.shape[0] == batch and t.shape[2] == heads_kv and t.shape[3] == head_dim,
+                         lambda: f"flash_ext: {name} must have shape (batch, seqlen_new, heads_kv, head_dim) = "
+                                 f"({batch}, seqlen_new, {heads_kv}, {head_dim}), got {_sizes(t.shape)}")
+            torch._check(t.dtype == q.dtype,
+                         lambda: f"flash_ext: {name} has dtype {_dtype(t.dtype)} but q has {_dtype(q.dtype)}")
+            torch._check(t.device == q.device, lambda: f"flash_ext: {name} is on {t.device} but q is on {q.device}")
+        torch._check(k.shape[1] == v.shape[1], lambda: f"flash_ext: k and v must have the same shape, got "
+                                                       f"{_sizes(k.shape)} and {_sizes(v.shape)}")
+        torch._check(k.shape[1] <= capacity,
+                     lambda: f"flash_ext: the cache is too short: k has seqlen_new = {k.shape[1]} but a sequence of "
+                             f"the cache holds at most {capacity} keys")
+    _check_int32_per_sequence(cache_seqlens, "cache_seqlens", batch, q)
+    _check_int32_per_sequence(cache_batch_idx, "cache_batch_idx", batch, q)
+    _check_int32_per_sequence(cache_leftpad, "cache_leftpad", batch, q)
+    torch._check((rotary_cos is None) == (rotary_sin is None),
+                 lambda: "flash_ext: rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        torch._check(k is not None,
+                     lambda: "flash_ext: rotary_cos / rotary_sin need k and v: the rotary embedding is applied to the "
+                             "new keys appended to the cache (and to q)")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            torch._check(t.dim() == 2 and t.shape[1] >= 1 and 2 * t.shape[1] <= head_dim,
+                         lambda: f"flash_ext: {name} must have shape (seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim "
+                                 f"<= head_dim = {head_dim}, got {_sizes(t.shape)}")
+            torch._check(t.dtype == q.dtype,
+                         lambda: f"flash_ext: {name} has dtype {_dtype(t.dtype)} but q has {_dtype(q.dtype)}")
+            torch._check(t.device == q.device, lambda: f"flash_ext: {name} is on {t.device} but q is on {q.device}")
+        torch._check(rotary_sin.shape == rotary_cos.shape,
+                     lambda: f"flash_ext: rotary_cos and rotary_sin must have the same shape, got "
+                             f"{_sizes(rotary_cos.shape)} and {_sizes(rotary_sin.shape)}")
+        torch._check(rotary_cos.shape[0] >= capacity,
+                     lambda: f"flash_ext: rotary_cos has {rotary_cos.shape[0]} rows (seqlen_ro) but a sequence of the "
+                             f"cache holds up to {capacity} keys; seqlen_ro must be at least that")
+    torch._check(num_splits >= 0, lambda: f"flash_ext: num_splits must be 0 (automatic) or >= 1, got {num_splits}")
+
+
+@torch.library.register_fake("flash_ext::kvcache_fwd")
+def _kvcache_fwd_fake(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                      cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                      softmax_scale=1.0, causal=False, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                      num_splits=0):
+    _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, num_splits)
+    _check_options(q, q.shape[0], softmax_scale, window_left, window_right, softcap, alibi_slopes, 0.0)
+    batch, seqlen_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
 # ---- Autograd ----------------------------------------------------------------------------------
 # setup_context receives every schema argument, defaults filled in. The forward ops' options
 # (everything after q, k, v and, for varlen, the sequence layout) go to the backward ops unchanged;

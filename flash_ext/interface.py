@@ -289,3 +289,91 @@ attention_varlen.__doc__ = """Attention over a batch of sequences of different l
     Returns:
         out (total_q, heads_q, head_dim), or (out, lse) when return_lse, lse (heads_q, total_q).
     """
+
+
+# ---- KV cache ------------------------------------------------------------------------------------
+
+_KVCACHE_CUDA_MESSAGE = ("flash_ext.attention_with_kvcache: the CUDA kernels are not built yet; the CPU path "
+                         "implements the semantics")
+
+
+def _optional_tensor(name: str, value: Any) -> None:
+    if value is not None:
+        _check_tensor(name, value)
+
+
+def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                           v: Optional[Tensor] = None, *, rotary_cos: Optional[Tensor] = None,
+                           rotary_sin: Optional[Tensor] = None, rotary_interleaved: bool = True,
+                           cache_seqlens: Union[int, Tensor, None] = None, cache_batch_idx: Optional[Tensor] = None,
+                           cache_leftpad: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
+                           causal: bool = False, softmax_scale: Optional[float] = None,
+                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
+                           return_lse: bool = False) -> Union[Tensor, _Lse]:
+    """Attention of q over a KV cache, after appending new keys and values to it in place (inference).
+
+    CPU only for now: on CUDA tensors it raises NotImplementedError (the CUDA kernels are not built yet;
+    the CPU path implements the semantics). Forward only: inputs that require grad (with grad mode on)
+    are rejected. The semantics are those of flash-attn 2.8's flash_attn_with_kvcache.
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim), any seqlen_q; dtypes as for flash_ext.attention.
+        k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv, head_dim), or, with block_table, pages
+            (num_blocks, page_size, heads_kv, head_dim); q's dtype and device. GQA/MQA as in attention.
+        k, v: None, or the new keys and values (batch, seqlen_new, heads_kv, head_dim): written into the
+            caches IN PLACE at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 of sequence
+            b (through block_table when paged), then attended to. The cache must hold them.
+        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2) in q's dtype, rotary_dim <= head_dim,
+            seqlen_ro >= the cache's length per sequence; need k and v. The rotary embedding rotates the
+            first rotary_dim channels of the new keys at positions cache_seqlens[b] + i, and of q at
+            cache_seqlens[b] + i when causal or windowed (window_size != (-1, -1)), else every query at
+            cache_seqlens[b]. Positions are cache positions: cache_leftpad does not shift them.
+        rotary_interleaved: True rotates channel pairs (2i, 2i + 1) (GPT-J); False pairs (i, i + rotary_dim / 2)
+            (GPT-NeoX).
+        cache_seqlens: an int or int32 (batch,): the keys already in each sequence's cache (counted from the
+            cache's start, cache_leftpad included). None: all of seqlen_cache (no append room then).
+        cache_batch_idx: None or int32 (batch,): the cache row of each sequence (default: row b); not with
+            block_table; rows must differ when k and v are appended.
+        cache_leftpad: None or int32 (batch,): where each sequence starts in its cache; keys before it are
+            ignored. 0 <= cache_leftpad[b] <= cache_seqlens[b].
+        block_table: None or int32 (batch, max_blocks): the pages of each sequence; position p of sequence b
+            is row p % page_size of page block_table[b][p // page_size].
+
+    Sequence b attends to the keys cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1; call their number
+    seqlen_k. causal, window_size, softcap and alibi_slopes are those of flash_ext.attention with these
+    seqlen_k keys (bottom-right aligned: query i sees keys j <= seqlen_k - seqlen_q + i, counted from
+    cache_leftpad[b]). num_splits: 0 (automatic) or the number of key splits a GPU kernel would use; on the
+    CPU the result does not depend on it. return_lse: also return lse (batch, heads_q, seqlen_q), float32.
+
+    Returns:
+        out shaped like q, or (out, lse) when return_lse.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t)
+    optional = (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table))
+    for name, t in optional:
+        _optional_tensor(name, t)
+    if any(t.device.type == "cuda" for t in (q, k_cache, v_cache)):
+        raise NotImplementedError(_KVCACHE_CUDA_MESSAGE)
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + optional + (
+                ("alibi_slopes", alibi_slopes),):
+            if isinstance(t, Tensor) and t.requires_grad:
+                raise RuntimeError(f"flash_ext.attention_with_kvcache is forward only (inference), but {name} "
+                                   "requires grad; call it under torch.no_grad() / torch.inference_mode(), or detach "
+                                   "the inputs")
+    rotary_interleaved = _as_bool("rotary_interleaved", rotary_interleaved)
+    return_lse = _as_bool("return_lse", return_lse)
+    num_splits = _as_int("num_splits", num_splits)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, Tensor):
+        cache_seqlens = torch.full((q.shape[0],), _as_int("cache_seqlens", cache_seqlens), dtype=torch.int32,
+                                   device=q.device)
+    softmax_scale, causal, _, window_left, window_right, softcap, alibi_slopes, _ = _options(
+        q, causal, softmax_scale, window_size, softcap, alibi_slopes, 0.0, False)
+    out, lse = torch.ops.flash_ext.kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved,
+                                               cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                                               softmax_scale, causal, window_left, window_right, softcap,
+                                               alibi_slopes, num_splits)
+    return (out, lse) if return_lse else out

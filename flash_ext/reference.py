@@ -125,3 +125,90 @@ def attention_varlen_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
         return (q.new_zeros(q.shape, dtype=torch.float64 if upcast else q.dtype),
                 q.new_zeros((q.shape[1], 0), dtype=torch.float64 if upcast else torch.float32))
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def apply_rotary_ref(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of x (batch, seqlen, heads, head_dim) at positions (batch, seqlen), in x's dtype:
+    cos / sin (seqlen_ro, rotary_dim / 2) rotate the first rotary_dim channels, as pairs (2i, 2i + 1) when
+    interleaved (GPT-J) or (i, i + rotary_dim / 2) otherwise (GPT-NeoX); the other channels are unchanged."""
+    half = cos.shape[1]
+    c = cos.to(x.dtype)[positions][:, :, None, :]
+    s = sin.to(x.dtype)[positions][:, :, None, :]
+    if interleaved:
+        x0, x1 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    else:
+        x0, x1 = x[..., :half], x[..., half:2 * half]
+        rotated = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
+
+
+def attention_with_kvcache_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                               v: Optional[Tensor] = None, *, rotary_cos: Optional[Tensor] = None,
+                               rotary_sin: Optional[Tensor] = None, rotary_interleaved: bool = True,
+                               cache_seqlens: Union[int, Tensor, None] = None, cache_batch_idx: Optional[Tensor] = None,
+                               cache_leftpad: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
+                               causal: bool = False, softmax_scale: Optional[float] = None,
+                               window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                               alibi_slopes: Optional[Tensor] = None,
+                               upcast: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (out, lse, k_cache_updated, v_cache_updated) like flash_ext.attention_with_kvcache (whose
+    docstring gives the semantics), without modifying its inputs (the caches are cloned).
+
+    Sequence b appends k[b], v[b] (rotated first, when rotary_cos is given) at cache positions
+    cache_seqlens[b] ... (through block_table when paged) and attends q[b] (rotated at cache_seqlens[b] + i
+    when causal or windowed, else at cache_seqlens[b]) to the cache's keys cache_leftpad[b] ..
+    cache_seqlens[b] + seqlen_new - 1 with attention_ref. The keys are read back from the updated caches, so
+    they are in the caches' dtype. upcast=True computes the rotary embedding of q and the attention in
+    float64 (out and lse float64); upcast=False in the inputs' dtype (out in q's dtype, lse float32).
+    The updated caches keep their dtype."""
+    batch, seqlen_q = q.shape[:2]
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    paged = block_table is not None
+    page_size = k_cache.shape[1]
+    if cache_seqlens is None:
+        seqlens = [k_cache.shape[1]] * batch
+    elif isinstance(cache_seqlens, int):
+        seqlens = [cache_seqlens] * batch
+    else:
+        seqlens = [int(s) for s in cache_seqlens.tolist()]
+    leftpad = [0] * batch if cache_leftpad is None else [int(s) for s in cache_leftpad.tolist()]
+    rows = list(range(batch)) if cache_batch_idx is None else [int(i) for i in cache_batch_idx.tolist()]
+    seqlen_new = 0 if k is None else k.shape[1]
+    compute = torch.float64 if upcast else q.dtype
+
+    def cache_index(b, positions):
+        """(cache rows, positions within them) of sequence b's positions."""
+        positions = torch.as_tensor(positions, dtype=torch.long)
+        if not paged:
+            return torch.full_like(positions, rows[b]), positions
+        return block_table[b].long()[positions // page_size], positions % page_size
+
+    q_used = q.to(compute)
+    if rotary_cos is not None:
+        local = causal or tuple(window_size) != (-1, -1)
+        offsets = torch.tensor(seqlens)[:, None]
+        q_positions = offsets + (torch.arange(seqlen_q)[None] if local else 0) + torch.zeros(1, seqlen_q,
+                                                                                             dtype=torch.long)
+        k_positions = offsets + torch.arange(seqlen_new)[None]
+        q_used = apply_rotary_ref(q_used, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
+        k = apply_rotary_ref(k.to(compute), rotary_cos, rotary_sin, k_positions, rotary_interleaved)
+    outs, lses = [], []
+    for b in range(batch):
+        if seqlen_new:
+            where = cache_index(b, range(seqlens[b], seqlens[b] + seqlen_new))
+            k_cache[where] = k[b].to(k_cache.dtype)
+            v_cache[where] = v[b].to(v_cache.dtype)
+        where = cache_index(b, range(leftpad[b], seqlens[b] + seqlen_new))
+        slopes_b = None
+        if alibi_slopes is not None:
+            slopes_b = alibi_slopes[b:b + 1] if alibi_slopes.dim() == 2 else alibi_slopes
+        out_b, lse_b = attention_ref(q_used[b:b + 1], k_cache[where][None].to(compute),
+                                     v_cache[where][None].to(compute), causal=causal, softmax_scale=softmax_scale,
+                                     window_size=window_size, softcap=softcap, alibi_slopes=slopes_b, upcast=upcast)
+        outs.append(out_b)
+        lses.append(lse_b)
+    if batch == 0:
+        return (q.new_zeros(q.shape, dtype=compute), q.new_zeros((0, q.shape[2], seqlen_q),
+                dtype=torch.float64 if upcast else torch.float32), k_cache, v_cache)
+    return torch.cat(outs), torch.cat(lses), k_cache, v_cache

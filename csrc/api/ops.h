@@ -14,6 +14,7 @@ namespace flash_ext {
 
 using FwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // out, lse, rng_state
 using BwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // dq, dk, dv
+using KvcacheResult = std::tuple<at::Tensor, at::Tensor>;           // out, lse
 
 FwdResult attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const AttentionOptions& options, const VarlenArgs& varlen);
@@ -24,6 +25,18 @@ BwdResult attention_bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const a
 // forward with this rng_state and dropout_p applies, from the same Philox function.
 at::Tensor dropout_keep_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t heads, int64_t seqlen_q,
                                  int64_t seqlen_k, double dropout_p);
+
+// flash_ext::kvcache_fwd (flash_ext.attention_with_kvcache), ops_kvcache_cpu.cpp: checks its own arguments,
+// appends k / v to k_cache / v_cache in place, returns out (like q) and lse (batch, heads_q, seqlen_q).
+KvcacheResult kvcache_fwd_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                              const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
+                              bool rotary_interleaved, const std::optional<at::Tensor>& cache_seqlens,
+                              const std::optional<at::Tensor>& cache_batch_idx,
+                              const std::optional<at::Tensor>& cache_leftpad,
+                              const std::optional<at::Tensor>& block_table, double softmax_scale, bool causal,
+                              int64_t window_left, int64_t window_right, double softcap,
+                              const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits);
 
 #ifdef FLASH_EXT_WITH_CUDA
 FwdResult attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

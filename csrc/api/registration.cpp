@@ -126,6 +126,17 @@ TORCH_LIBRARY(flash_ext, m) {
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, " FLASH_EXT_OPTIONS_SCHEMA
       ", Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // KV cache (flash_ext.attention_with_kvcache): q (batch, seqlen_q, heads_q, head_dim); k_cache / v_cache
+  // (batch_cache, seqlen_cache, heads_kv, head_dim), or pages (num_blocks, page_size, heads_kv, head_dim) with
+  // block_table (batch, max_blocks) int32. k / v (batch, seqlen_new, heads_kv, head_dim), when given, are written
+  // into the caches in place (hence the (a!) / (b!) annotations) at cache_seqlens[b] ..., then attended to.
+  // cache_seqlens, cache_batch_idx, cache_leftpad: int32 (batch,). No dropout, no backward. CPU only for now.
+  m.def(
+      "kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, Tensor? v=None, "
+      "Tensor? rotary_cos=None, Tensor? rotary_sin=None, bool rotary_interleaved=True, Tensor? cache_seqlens=None, "
+      "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, Tensor? block_table=None, float softmax_scale=1.0, "
+      "bool causal=False, int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
+      "int num_splits=0) -> (Tensor out, Tensor lse)");
   // Testing: the keep mask (true = kept) a forward with this rng_state applies, (batch, heads_q,
   // seqlen_q, seqlen_k) bool, on rng_state's device (the CPU).
   m.def(
@@ -145,6 +156,7 @@ TORCH_LIBRARY_IMPL(flash_ext, CPU, m) {
   m.impl("varlen_fwd", &varlen_fwd<attention_fwd_cpu>);
   m.impl("varlen_bwd", &varlen_bwd<attention_bwd_cpu>);
   m.impl("dropout_keep_mask", &dropout_keep_mask_cpu);
+  m.impl("kvcache_fwd", &kvcache_fwd_cpu);
 }
 
 #ifdef FLASH_EXT_WITH_CUDA

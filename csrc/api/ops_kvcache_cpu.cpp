@@ -1,0 +1,320 @@
+// flash_ext::kvcache_fwd on the CPU (flash_ext.attention_with_kvcache): the new k / v appended to the caches in
+// place (rotary embedding applied to them first), then attention of q (rotated too) over each sequence's keys
+// [cache_leftpad[b], cache_seqlens[b] + seqlen_new), through the variable-length CPU forward
+// (attention_fwd_cpu, csrc/cpu/). The append, the gather of each sequence's keys (through the block table when
+// the caches are paged) and the rotary embedding are plain torch ops: this is the executable specification of
+// the semantics, not a fast path (it copies every sequence's keys once per call).
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../error_message.h"
+#include "checks.h"
+#include "ops.h"
+#include "params_from_tensors.h"
+
+namespace flash_ext {
+namespace {
+
+void check_int32_per_sequence(const std::optional<at::Tensor>& t, const char* name, int64_t batch,
+                              const at::Tensor& q) {
+  if (!t.has_value()) return;
+  FLASH_EXT_CHECK(t->scalar_type() == at::kInt, "flash_ext: ", name, " must be int32, got ", t->scalar_type());
+  FLASH_EXT_CHECK(t->dim() == 1 && t->size(0) == batch, "flash_ext: ", name, " must have shape (batch,) = (", batch,
+                  ",), got ", t->sizes());
+  FLASH_EXT_CHECK(t->device() == q.device(), "flash_ext: ", name, " is on ", t->device(), " but q is on ", q.device());
+}
+
+// Everything that needs no read of the index tensors' values (mirrored by _kvcache_fwd_fake in flash_ext/_ops.py).
+void check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                          const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
+                          const std::optional<at::Tensor>& cache_seqlens,
+                          const std::optional<at::Tensor>& cache_batch_idx,
+                          const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+                          int64_t num_splits) {
+  FLASH_EXT_CHECK(q.dim() == 4, "flash_ext: q must have 4 dimensions (batch, seqlen_q, heads_q, head_dim), got ",
+                  q.dim(), " (shape ", q.sizes(), ")");
+  FLASH_EXT_CHECK(k_cache.dim() == 4,
+                  "flash_ext: k_cache must have 4 dimensions (batch_cache, seqlen_cache, heads_kv, head_dim) or "
+                  "(num_blocks, page_size, heads_kv, head_dim), got ",
+                  k_cache.dim(), " (shape ", k_cache.sizes(), ")");
+  FLASH_EXT_CHECK(v_cache.sizes() == k_cache.sizes(), "flash_ext: k_cache and v_cache must have the same shape, got ",
+                  k_cache.sizes(), " and ", v_cache.sizes());
+  const auto dtype = q.scalar_type();
+  FLASH_EXT_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || (dtype == at::kFloat && !q.is_cuda()),
+                  "flash_ext: q has dtype ", dtype, "; expected float16 or bfloat16",
+                  q.is_cuda() ? " on CUDA" : " (or float32 on the CPU)");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache}, {"v_cache", &v_cache}}) {
+    FLASH_EXT_CHECK(t->scalar_type() == dtype, "flash_ext: ", name, " has dtype ", t->scalar_type(), " but q has ",
+                    dtype, "; q and the caches must share one dtype");
+    FLASH_EXT_CHECK(t->device() == q.device(), "flash_ext: ", name, " is on ", t->device(), " but q is on ",
+                    q.device());
+  }
+  const int64_t batch = q.size(0), head_dim = q.size(3), heads_q = q.size(2), heads_kv = k_cache.size(2);
+  FLASH_EXT_CHECK(k_cache.size(3) == head_dim, "flash_ext: k_cache has head_dim ", k_cache.size(3),
+                  " but q has head_dim ", head_dim, "; q and the caches must share head_dim");
+  FLASH_EXT_CHECK(head_dim >= 1 && head_dim <= 256, "flash_ext: head_dim (last dimension of q) must be in 1..256, got ",
+                  head_dim);
+  FLASH_EXT_CHECK(heads_kv >= 1, "flash_ext: k_cache has 0 heads (k_cache.size(2)); heads_kv must be >= 1");
+  FLASH_EXT_CHECK(heads_q % heads_kv == 0, "flash_ext: heads_q (q.size(2) = ", heads_q,
+                  ") must be a multiple of heads_kv (k_cache.size(2) = ", heads_kv, ")");
+
+  const bool paged = block_table.has_value();
+  int64_t capacity = k_cache.size(1);  // the most keys one sequence can hold
+  if (paged) {
+    FLASH_EXT_CHECK(block_table->scalar_type() == at::kInt, "flash_ext: block_table must be int32, got ",
+                    block_table->scalar_type());
+    FLASH_EXT_CHECK(block_table->dim() == 2 && block_table->size(0) == batch,
+                    "flash_ext: block_table must have shape (batch, max_blocks) with batch = ", batch, ", got ",
+                    block_table->sizes());
+    FLASH_EXT_CHECK(block_table->device() == q.device(), "flash_ext: block_table is on ", block_table->device(),
+                    " but q is on ", q.device());
+    FLASH_EXT_CHECK(k_cache.size(1) >= 1, "flash_ext: with block_table, k_cache.size(1) is the page size and must be "
+                                          ">= 1, got ",
+                    k_cache.size(1));
+    FLASH_EXT_CHECK(!cache_batch_idx.has_value(),
+                    "flash_ext: cache_batch_idx cannot be used with block_table (the block table already picks each "
+                    "sequence's pages)");
+    capacity = block_table->size(1) * k_cache.size(1);
+  } else {
+    FLASH_EXT_CHECK(cache_batch_idx.has_value() || k_cache.size(0) == batch, "flash_ext: k_cache has batch ",
+                    k_cache.size(0), " but q has batch ", batch,
+                    "; without block_table they must match (or pass cache_batch_idx to pick cache rows)");
+  }
+
+  FLASH_EXT_CHECK(k.has_value() == v.has_value(), "flash_ext: k and v (the new keys and values) must be given "
+                                                  "together, got ",
+                  k.has_value() ? "k without v" : "v without k");
+  if (k.has_value()) {
+    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"k", &*k}, {"v", &*v}}) {
+      FLASH_EXT_CHECK(t->dim() == 4 && t->size(0) == batch && t->size(2) == heads_kv && t->size(3) == head_dim,
+                      "flash_ext: ", name, " must have shape (batch, seqlen_new, heads_kv, head_dim) = (", batch,
+                      ", seqlen_new, ", heads_kv, ", ", head_dim, "), got ", t->sizes());
+      FLASH_EXT_CHECK(t->scalar_type() == dtype, "flash_ext: ", name, " has dtype ", t->scalar_type(), " but q has ",
+                      dtype);
+      FLASH_EXT_CHECK(t->device() == q.device(), "flash_ext: ", name, " is on ", t->device(), " but q is on ",
+                      q.device());
+    }
+    FLASH_EXT_CHECK(k->size(1) == v->size(1), "flash_ext: k and v must have the same shape, got ", k->sizes(), " and ",
+                    v->sizes());
+    FLASH_EXT_CHECK(k->size(1) <= capacity, "flash_ext: the cache is too short: k has seqlen_new = ", k->size(1),
+                    " but a sequence of the cache holds at most ", capacity, " keys");
+  }
+
+  check_int32_per_sequence(cache_seqlens, "cache_seqlens", batch, q);
+  check_int32_per_sequence(cache_batch_idx, "cache_batch_idx", batch, q);
+  check_int32_per_sequence(cache_leftpad, "cache_leftpad", batch, q);
+
+  FLASH_EXT_CHECK(rotary_cos.has_value() == rotary_sin.has_value(),
+                  "flash_ext: rotary_cos and rotary_sin must be given together");
+  if (rotary_cos.has_value()) {
+    FLASH_EXT_CHECK(k.has_value(), "flash_ext: rotary_cos / rotary_sin need k and v: the rotary embedding is applied "
+                                   "to the new keys appended to the cache (and to q)");
+    for (const auto& [name, t] :
+         {std::pair<const char*, const at::Tensor*>{"rotary_cos", &*rotary_cos}, {"rotary_sin", &*rotary_sin}}) {
+      FLASH_EXT_CHECK(t->dim() == 2 && t->size(1) >= 1 && 2 * t->size(1) <= head_dim, "flash_ext: ", name,
+                      " must have shape (seqlen_ro, rotary_dim / 2) with 2 <= rotary_dim <= head_dim = ", head_dim,
+                      ", got ", t->sizes());
+      FLASH_EXT_CHECK(t->scalar_type() == dtype, "flash_ext: ", name, " has dtype ", t->scalar_type(), " but q has ",
+                      dtype);
+      FLASH_EXT_CHECK(t->device() == q.device(), "flash_ext: ", name, " is on ", t->device(), " but q is on ",
+                      q.device());
+    }
+    FLASH_EXT_CHECK(rotary_sin->sizes() == rotary_cos->sizes(),
+                    "flash_ext: rotary_cos and rotary_sin must have the same shape, got ", rotary_cos->sizes(), " and ",
+                    rotary_sin->sizes());
+    FLASH_EXT_CHECK(rotary_cos->size(0) >= capacity, "flash_ext: rotary_cos has ", rotary_cos->size(0),
+                    " rows (seqlen_ro) but a sequence of the cache holds up to ", capacity,
+                    " keys; seqlen_ro must be at least that");
+  }
+  FLASH_EXT_CHECK(num_splits >= 0, "flash_ext: num_splits must be 0 (automatic) or >= 1, got ", num_splits);
+}
+
+std::vector<int64_t> values_or(const std::optional<at::Tensor>& t, int64_t batch, int64_t fallback) {
+  std::vector<int64_t> values(batch, fallback);
+  if (t.has_value()) {
+    const at::Tensor c = t->contiguous();
+    const int32_t* p = c.data_ptr<int32_t>();
+    for (int64_t b = 0; b < batch; ++b) values[b] = p[b];
+  }
+  return values;
+}
+
+at::Tensor int_tensor(const std::vector<int64_t>& values, at::ScalarType type, const at::Tensor& like) {
+  at::Tensor t = at::empty({static_cast<int64_t>(values.size())}, like.options().dtype(type));
+  if (type == at::kInt) {
+    int32_t* p = t.data_ptr<int32_t>();
+    for (size_t i = 0; i < values.size(); ++i) p[i] = static_cast<int32_t>(values[i]);
+  } else {
+    int64_t* p = t.data_ptr<int64_t>();
+    for (size_t i = 0; i < values.size(); ++i) p[i] = values[i];
+  }
+  return t;
+}
+
+// Rotary embedding of x (batch, seqlen, heads, head_dim) at positions[b * seqlen + i], computed in float32 and
+// rounded to x's dtype: the first rotary_dim channels rotated as pairs (2i, 2i+1) when interleaved (GPT-J),
+// (i, i + rotary_dim / 2) otherwise (GPT-NeoX); the other channels unchanged.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                  const std::vector<int64_t>& positions, bool interleaved) {
+  const int64_t batch = x.size(0), seqlen = x.size(1), half = cos.size(1), rotary_dim = 2 * half;
+  if (x.numel() == 0) return x;
+  const at::Tensor index = int_tensor(positions, at::kLong, x);
+  const at::Tensor c = cos.index_select(0, index).to(at::kFloat).view({batch, seqlen, 1, half});
+  const at::Tensor s = sin.index_select(0, index).to(at::kFloat).view({batch, seqlen, 1, half});
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor rotated;
+  if (interleaved) {
+    const at::Tensor pairs = xf.narrow(-1, 0, rotary_dim).reshape({batch, seqlen, x.size(2), half, 2});
+    const at::Tensor x0 = pairs.select(-1, 0), x1 = pairs.select(-1, 1);
+    rotated = at::stack({x0.mul(c).sub(x1.mul(s)), x0.mul(s).add(x1.mul(c))}, -1).flatten(-2);
+  } else {
+    const at::Tensor x0 = xf.narrow(-1, 0, half), x1 = xf.narrow(-1, half, half);
+    rotated = at::cat({x0.mul(c).sub(x1.mul(s)), x0.mul(s).add(x1.mul(c))}, -1);
+  }
+  if (rotary_dim < x.size(3)) rotated = at::cat({rotated, xf.narrow(-1, rotary_dim, x.size(3) - rotary_dim)}, -1);
+  return rotated.to(x.scalar_type());
+}
+
+// Where sequence b's positions [start, end) live: one (seqlen, heads_kv, head_dim) view per contiguous run
+// (a cache row when dense, one run per page when paged).
+struct CacheLayout {
+  const at::Tensor* block_table = nullptr;  // contiguous int32 (batch, max_blocks), or null when dense
+  std::vector<int64_t> rows;                // the cache row of each sequence (dense)
+  int64_t page_size = 0;
+
+  template <typename F>
+  void for_each_run(const at::Tensor& cache, int64_t b, int64_t start, int64_t end, F&& f) const {
+    if (block_table == nullptr) {
+      if (end > start) f(cache.select(0, rows[b]).narrow(0, start, end - start), start);
+      return;
+    }
+    const int32_t* table = block_table->data_ptr<int32_t>() + b * block_table->size(1);
+    for (int64_t pos = start; pos < end;) {
+      const int64_t offset = pos % page_size, n = std::min(end - pos, page_size - offset);
+      f(cache.select(0, table[pos / page_size]).narrow(0, offset, n), pos);
+      pos += n;
+    }
+  }
+};
+
+}  // namespace
+
+KvcacheResult kvcache_fwd_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                              const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
+                              bool rotary_interleaved, const std::optional<at::Tensor>& cache_seqlens,
+                              const std::optional<at::Tensor>& cache_batch_idx,
+                              const std::optional<at::Tensor>& cache_leftpad,
+                              const std::optional<at::Tensor>& block_table, double softmax_scale, bool causal,
+                              int64_t window_left, int64_t window_right, double softcap,
+                              const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+  check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                       cache_leftpad, block_table, num_splits);
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads_q = q.size(2), head_dim = q.size(3);
+  const int64_t heads_kv = k_cache.size(2), seqlen_new = k.has_value() ? k->size(1) : 0;
+  const AttentionOptions options =
+      make_options(q, batch, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, 0.0);
+  const bool paged = block_table.has_value();
+  const int64_t capacity = paged ? block_table->size(1) * k_cache.size(1) : k_cache.size(1);
+
+  // The index tensors' values (host memory: reading them is free here).
+  const std::vector<int64_t> seqlens = values_or(cache_seqlens, batch, k_cache.size(1));
+  const std::vector<int64_t> leftpad = values_or(cache_leftpad, batch, 0);
+  CacheLayout layout;
+  at::Tensor table;
+  if (paged) {
+    table = block_table->contiguous();
+    layout.block_table = &table;
+    layout.page_size = k_cache.size(1);
+  } else {
+    layout.rows = values_or(cache_batch_idx, batch, 0);
+    if (!cache_batch_idx.has_value())
+      for (int64_t b = 0; b < batch; ++b) layout.rows[b] = b;
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    FLASH_EXT_CHECK(seqlens[b] >= 0, "flash_ext: cache_seqlens[", b, "] = ", seqlens[b], " must be >= 0");
+    FLASH_EXT_CHECK(seqlens[b] + seqlen_new <= capacity, "flash_ext: the cache is too short: cache_seqlens[", b,
+                    "] = ", seqlens[b], " plus seqlen_new = ", seqlen_new, " exceeds the ", capacity,
+                    " keys a sequence of the cache holds");
+    FLASH_EXT_CHECK(leftpad[b] >= 0 && leftpad[b] <= seqlens[b], "flash_ext: cache_leftpad[", b, "] = ", leftpad[b],
+                    " must be in 0..cache_seqlens[", b, "] = ", seqlens[b]);
+    if (paged) {
+      const int32_t* row = table.data_ptr<int32_t>() + b * table.size(1);
+      const int64_t end = seqlens[b] + seqlen_new;
+      for (int64_t page = leftpad[b] / layout.page_size; page * layout.page_size < end; ++page)
+        FLASH_EXT_CHECK(row[page] >= 0 && row[page] < k_cache.size(0), "flash_ext: block_table[", b, "][", page,
+                        "] = ", row[page], " is not a block of k_cache (0..", k_cache.size(0) - 1, ")");
+    } else if (cache_batch_idx.has_value()) {
+      FLASH_EXT_CHECK(layout.rows[b] >= 0 && layout.rows[b] < k_cache.size(0), "flash_ext: cache_batch_idx[", b,
+                      "] = ", layout.rows[b], " is not a row of k_cache (0..", k_cache.size(0) - 1, ")");
+      for (int64_t other = 0; other < b && seqlen_new > 0; ++other)
+        FLASH_EXT_CHECK(layout.rows[other] != layout.rows[b], "flash_ext: cache_batch_idx[", other,
+                        "] and cache_batch_idx[", b, "] are both ", layout.rows[b],
+                        "; with k and v appended, each sequence needs its own cache row");
+    }
+  }
+
+  // Rotary positions: the new keys at cache_seqlens[b] + i; the queries at cache_seqlens[b] + i when causal or
+  // windowed, else all at cache_seqlens[b] (absolute cache positions: cache_leftpad does not shift them).
+  at::Tensor q_used = q;
+  at::Tensor k_new = k.has_value() ? *k : at::Tensor(), v_new = v.has_value() ? *v : at::Tensor();
+  if (rotary_cos.has_value()) {
+    const bool local = causal || window_left >= 0 || window_right >= 0;
+    const int64_t seqlen_ro = rotary_cos->size(0);
+    std::vector<int64_t> q_positions(batch * seqlen_q), k_positions(batch * seqlen_new);
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t i = 0; i < seqlen_q; ++i) q_positions[b * seqlen_q + i] = seqlens[b] + (local ? i : 0);
+      for (int64_t i = 0; i < seqlen_new; ++i) k_positions[b * seqlen_new + i] = seqlens[b] + i;
+      if (seqlen_q > 0) {
+        const int64_t last = q_positions[b * seqlen_q + seqlen_q - 1];
+        FLASH_EXT_CHECK(last < seqlen_ro, "flash_ext: query ", seqlen_q - 1, " of sequence ", b,
+                        " takes the rotary embedding at position ", last, " but rotary_cos has ", seqlen_ro, " rows");
+      }
+    }
+    q_used = rotate(q, *rotary_cos, *rotary_sin, q_positions, rotary_interleaved);
+    k_new = rotate(k_new, *rotary_cos, *rotary_sin, k_positions, rotary_interleaved);
+  }
+
+  // Append, then gather each sequence's keys [leftpad, cache_seqlens + seqlen_new) into a packed batch.
+  std::vector<at::Tensor> k_runs, v_runs;
+  std::vector<int64_t> cu_seqlens_k(batch + 1, 0);
+  int64_t max_seqlen_k = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = seqlens[b], end = seqlens[b] + seqlen_new;
+    if (seqlen_new > 0) {
+      layout.for_each_run(k_cache, b, start, end, [&](const at::Tensor& run, int64_t pos) {
+        run.copy_(k_new.select(0, b).narrow(0, pos - start, run.size(0)));
+      });
+      layout.for_each_run(v_cache, b, start, end, [&](const at::Tensor& run, int64_t pos) {
+        run.copy_(v_new.select(0, b).narrow(0, pos - start, run.size(0)));
+      });
+    }
+    layout.for_each_run(k_cache, b, leftpad[b], end, [&](const at::Tensor& run, int64_t) { k_runs.push_back(run); });
+    layout.for_each_run(v_cache, b, leftpad[b], end, [&](const at::Tensor& run, int64_t) { v_runs.push_back(run); });
+    cu_seqlens_k[b + 1] = cu_seqlens_k[b] + (end - leftpad[b]);
+    max_seqlen_k = std::max(max_seqlen_k, end - leftpad[b]);
+  }
+  const auto gather = [&](const std::vector<at::Tensor>& runs) {
+    return runs.empty() ? at::empty({0, heads_kv, head_dim}, k_cache.options()) : at::cat(runs, 0);
+  };
+  const at::Tensor k_packed = gather(k_runs), v_packed = gather(v_runs);
+
+  std::vector<int64_t> cu_seqlens_q(batch + 1);
+  for (int64_t b = 0; b <= batch; ++b) cu_seqlens_q[b] = b * seqlen_q;
+  const VarlenArgs varlen{int_tensor(cu_seqlens_q, at::kInt, q), int_tensor(cu_seqlens_k, at::kInt, q), seqlen_q,
+                          max_seqlen_k};
+  const at::Tensor q_packed = q_used.reshape({batch * seqlen_q, heads_q, head_dim});
+  // num_splits: how a GPU kernel would split the keys; the CPU forward's result does not depend on it.
+  auto [out, lse, rng_state] = attention_fwd_cpu(q_packed, k_packed, v_packed, options, varlen);
+  (void)rng_state;
+  return {out.view({batch, seqlen_q, heads_q, head_dim}),
+          lse.view({heads_q, batch, seqlen_q}).permute({1, 0, 2}).contiguous()};
+}
+
+}  // namespace flash_ext
