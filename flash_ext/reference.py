@@ -150,7 +150,7 @@ def attention_with_kvcache_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: O
                                cache_leftpad: Optional[Tensor] = None, block_table: Optional[Tensor] = None,
                                causal: bool = False, softmax_scale: Optional[float] = None,
                                window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                               alibi_slopes: Optional[Tensor] = None,
+                               alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
                                upcast: bool = True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (out, lse, k_cache_updated, v_cache_updated) like flash_ext.attention_with_kvcache (whose
     docstring gives the semantics), without modifying its inputs (the caches are cloned).
@@ -161,7 +161,7 @@ def attention_with_kvcache_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: O
     cache_seqlens[b] + seqlen_new - 1 with attention_ref. The keys are read back from the updated caches, so
     they are in the caches' dtype. upcast=True computes the rotary embedding of q and the attention in
     float64 (out and lse float64); upcast=False in the inputs' dtype (out in q's dtype, lse float32).
-    The updated caches keep their dtype."""
+    The updated caches keep their dtype. num_splits is accepted and ignored (it changes no result)."""
     batch, seqlen_q = q.shape[:2]
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     paged = block_table is not None

@@ -1,0 +1,466 @@
+"""flash_ext.attention_with_kvcache on the CPU: out and lse against attention_with_kvcache_ref (the tolerance
+rule of tests/tolerance.py), the caches updated exactly where the reference updates them and bitwise untouched
+elsewhere, every option alone and in combinations, bad inputs (op and fake alike), the forward-only error,
+torch.compile, and a greedy decode loop that matches recomputing full attention at each step."""
+import math
+
+import pytest
+import torch
+
+import flash_ext
+from flash_ext.reference import apply_rotary_ref, attention_with_kvcache_ref
+from tolerance import EPS, FWD_FACTOR, assert_within_tolerance
+
+
+def make_case(*, batch=2, seqlen_q=3, heads_q=4, heads_kv=2, head_dim=32, dtype=torch.float32, seqlen_cache=40,
+              seqlen_new=3, cache_seqlens=(5, 11), page_size=None, batch_cache=None, batch_idx=False, leftpad=None,
+              rotary_dim=None, rotary_interleaved=True, alibi=None, seqlens_as_int=False, **options):
+    """(args, kwargs) of one call. With page_size, the caches are pages of that size (a shuffled block table
+    holding ceil(seqlen_cache / page_size) pages per sequence, plus unused pages); with batch_idx, the cache
+    has two more rows than the batch and each sequence gets a shuffled one."""
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, dtype=dtype)
+    kwargs = dict(options)
+    if page_size is not None:
+        max_blocks = math.ceil(seqlen_cache / page_size)
+        num_blocks = batch * max_blocks + 3
+        kwargs["block_table"] = torch.randperm(num_blocks)[:batch * max_blocks].view(batch, max_blocks).int()
+        cache_shape = (num_blocks, page_size, heads_kv, head_dim)
+    else:
+        rows = batch + 2 if batch_idx else batch if batch_cache is None else batch_cache
+        cache_shape = (rows, seqlen_cache, heads_kv, head_dim)
+        if batch_idx:
+            kwargs["cache_batch_idx"] = torch.randperm(rows)[:batch].int()
+    k_cache, v_cache = torch.randn(cache_shape, dtype=dtype), torch.randn(cache_shape, dtype=dtype)
+    args = [q, k_cache, v_cache]
+    if seqlen_new is not None:
+        args += [torch.randn(batch, seqlen_new, heads_kv, head_dim, dtype=dtype) for _ in range(2)]
+    if cache_seqlens is not None:
+        kwargs["cache_seqlens"] = (cache_seqlens[0] if seqlens_as_int
+                                   else torch.tensor(cache_seqlens[:batch], dtype=torch.int32))
+    if leftpad is not None:
+        kwargs["cache_leftpad"] = torch.tensor(leftpad[:batch], dtype=torch.int32)
+    if rotary_dim is not None:
+        seqlen_ro = seqlen_cache if page_size is None else kwargs["block_table"].shape[1] * page_size
+        angles = torch.rand(seqlen_ro, rotary_dim // 2) * 2 * math.pi
+        kwargs.update(rotary_cos=angles.cos().to(dtype), rotary_sin=angles.sin().to(dtype),
+                      rotary_interleaved=rotary_interleaved)
+    if alibi == "per_head":
+        kwargs["alibi_slopes"] = torch.rand(heads_q)
+    elif alibi == "per_batch":
+        kwargs["alibi_slopes"] = torch.rand(batch, heads_q)
+    return args, kwargs
+
+
+def written_mask(k_cache, kwargs, seqlen_new, batch):
+    """True at the cache entries (cache row or page, position) the call appends to."""
+    mask = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    seqlens = kwargs.get("cache_seqlens")
+    if seqlen_new == 0:
+        return mask
+    for b in range(batch):
+        start = seqlens if isinstance(seqlens, int) else int(seqlens[b])
+        for pos in range(start, start + seqlen_new):
+            if "block_table" in kwargs:
+                page_size = k_cache.shape[1]
+                mask[int(kwargs["block_table"][b, pos // page_size]), pos % page_size] = True
+            elif "cache_batch_idx" in kwargs:
+                mask[int(kwargs["cache_batch_idx"][b]), pos] = True
+            else:
+                mask[b, pos] = True
+    return mask
+
+
+def check_call(args, kwargs):
+    """One call against the reference: out and lse by the tolerance rule, caches bitwise outside the
+    appended entries and there bitwise (or, with rotary, within a rounding) equal to the reference's."""
+    original = [t.clone() for t in args]
+    with torch.no_grad():
+        out, lse = flash_ext.attention_with_kvcache(*args, return_lse=True, **kwargs)
+        out64, lse64, k_ref, v_ref = attention_with_kvcache_ref(*original, **kwargs)
+        out_lowp, lse_lowp, _, _ = attention_with_kvcache_ref(*original, upcast=False, **kwargs)
+    q, k_cache, v_cache = args[:3]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert_within_tolerance("out", out, out_lowp, out64, FWD_FACTOR)
+    assert_within_tolerance("lse", lse, lse_lowp, lse64, FWD_FACTOR)
+    for t, t0 in zip(args[3:], original[3:]):
+        assert torch.equal(t, t0), "k / v were modified"
+    assert torch.equal(q, original[0]), "q was modified"
+    seqlen_new = args[3].shape[1] if len(args) > 3 else 0
+    written = written_mask(k_cache, kwargs, seqlen_new, q.shape[0])
+    for name, cache, before, ref in (("k_cache", k_cache, original[1], k_ref), ("v_cache", v_cache, original[2], v_ref)):
+        assert torch.equal(cache[~written], before[~written]), f"{name} changed outside the appended entries"
+        assert torch.equal(ref[~written], before[~written]), f"the reference's {name} changed outside them"
+        if name == "k_cache" and "rotary_cos" in kwargs:
+            tolerance = 2 * EPS.get(cache.dtype) if cache.dtype == torch.float32 else torch.finfo(cache.dtype).eps
+            torch.testing.assert_close(cache[written], ref[written], atol=4 * tolerance, rtol=tolerance)
+        else:
+            assert torch.equal(cache[written], ref[written]), f"{name}: appended entries differ from the reference"
+    return out, lse
+
+
+SINGLE_OPTIONS = {
+    "plain": dict(),
+    "no_new_kv": dict(seqlen_new=None),
+    "no_new_kv_full_cache": dict(seqlen_new=None, cache_seqlens=None),
+    "seqlens_int": dict(seqlens_as_int=True),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(4, 1)),
+    "window_left_only": dict(window_size=(6, -1)),
+    "softcap": dict(softcap=3.0),
+    "alibi_per_head": dict(alibi="per_head"),
+    "alibi_per_batch": dict(alibi="per_batch"),
+    "softmax_scale": dict(softmax_scale=0.3),
+    "mqa": dict(heads_q=6, heads_kv=1),
+    "mha": dict(heads_q=2, heads_kv=2),
+    "rotary_interleaved": dict(rotary_dim=32),
+    "rotary_neox": dict(rotary_dim=32, rotary_interleaved=False),
+    "rotary_partial": dict(rotary_dim=16),
+    "rotary_partial_neox_causal": dict(rotary_dim=8, rotary_interleaved=False, causal=True),
+    "cache_batch_idx": dict(batch_idx=True),
+    "leftpad": dict(leftpad=(2, 7)),
+    "paged16": dict(page_size=16),
+    "paged256": dict(page_size=256, seqlen_cache=300, cache_seqlens=(255, 17)),
+    "num_splits": dict(num_splits=3),
+    "head_dim_1": dict(head_dim=1),
+    "head_dim_256": dict(head_dim=256, rotary_dim=64),
+    "head_dim_odd": dict(head_dim=24, rotary_dim=24, rotary_interleaved=False),
+    "bf16": dict(dtype=torch.bfloat16, rotary_dim=32, causal=True),
+    "fp16": dict(dtype=torch.float16, alibi="per_head", window_size=(3, 0)),
+    "batch_1": dict(batch=1),
+    "larger_cache": dict(batch_cache=2, seqlen_cache=64, cache_seqlens=(60, 0), seqlen_new=4),
+}
+
+
+@pytest.mark.parametrize("options", SINGLE_OPTIONS.values(), ids=SINGLE_OPTIONS.keys())
+def test_each_option(options):
+    check_call(*make_case(**options))
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 3, 16])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_seqlen_q(seqlen_q, causal):
+    check_call(*make_case(seqlen_q=seqlen_q, seqlen_new=seqlen_q, seqlen_cache=48, cache_seqlens=(0, 23),
+                          causal=causal, rotary_dim=16))
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["dense", "paged16"])
+@pytest.mark.parametrize("lengths", [(0, 1), (1, 0), (15, 16), (17, 31), (32, 33), (47, 9)])
+@pytest.mark.parametrize("seqlen_new", [None, 1, 2], ids=["no_new", "new1", "new2"])
+def test_cache_lengths(page_size, lengths, seqlen_new):
+    """Cache lengths 0, 1, odd, and either side of page boundaries (16, 32, 48 is the end of the cache)."""
+    lengths = tuple(min(n, 49 - (seqlen_new or 0)) for n in lengths)
+    check_call(*make_case(seqlen_cache=49 if page_size is None else 48 + 16, page_size=page_size, seqlen_q=2,
+                          seqlen_new=seqlen_new, cache_seqlens=lengths, causal=True))
+
+
+COMBINATIONS = {
+    "paged16-leftpad-new-rotary-causal-gqa": dict(page_size=16, leftpad=(3, 16), cache_seqlens=(20, 33),
+                                                  rotary_dim=32, causal=True),
+    "paged256-leftpad-neox-partial-window": dict(page_size=256, seqlen_cache=512, cache_seqlens=(255, 257),
+                                                 leftpad=(100, 0), rotary_dim=16, rotary_interleaved=False,
+                                                 window_size=(20, 0), seqlen_q=4, seqlen_new=4),
+    "batch_idx-leftpad-rotary-softcap-alibi": dict(batch_idx=True, leftpad=(1, 4), rotary_dim=32, softcap=4.0,
+                                                   alibi="per_batch", causal=True),
+    "batch_idx-no_new-window-mqa": dict(batch_idx=True, seqlen_new=None, heads_q=4, heads_kv=1, window_size=(2, 2)),
+    "paged16-alibi-softcap-window-decode": dict(page_size=16, seqlen_q=1, seqlen_new=1, alibi="per_head",
+                                                softcap=2.0, window_size=(8, 0), cache_seqlens=(31, 16)),
+    "leftpad-rotary-noncausal-multi_q": dict(leftpad=(5, 0), rotary_dim=32, seqlen_q=5, seqlen_new=2),
+    "bf16-paged16-everything": dict(dtype=torch.bfloat16, page_size=16, leftpad=(2, 0), rotary_dim=16,
+                                    causal=True, softcap=5.0, alibi="per_head", heads_q=8, heads_kv=2,
+                                    window_size=(10, 0)),
+    "fp16-batch_idx-rotary-neox-window": dict(dtype=torch.float16, batch_idx=True, rotary_dim=32,
+                                              rotary_interleaved=False, window_size=(3, 3), seqlen_q=2),
+}
+
+
+@pytest.mark.parametrize("options", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_combinations(options):
+    check_call(*make_case(**options))
+
+
+def test_empty_batch_and_no_keys():
+    check_call(*make_case(batch=0, cache_seqlens=()))
+    out, lse = check_call(*make_case(seqlen_new=None, cache_seqlens=(0, 0)))
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_cache_update_is_in_place_and_repeated_calls_accumulate():
+    """Two appends of 2 then 3 keys leave the same caches (and the second call the same result) as one
+    reference pass per call."""
+    (q, k_cache, v_cache, k, v), kwargs = make_case(page_size=16, seqlen_new=2, cache_seqlens=(14, 3))
+    k_ptr = k_cache.data_ptr()
+    with torch.no_grad():
+        flash_ext.attention_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
+    assert k_cache.data_ptr() == k_ptr
+    kwargs["cache_seqlens"] = kwargs["cache_seqlens"] + 2
+    check_call([q, k_cache, v_cache, torch.randn(2, 3, 2, 32), torch.randn(2, 3, 2, 32)], kwargs)
+
+
+def test_strided_inputs():
+    (q, k_cache, v_cache, k, v), kwargs = make_case(rotary_dim=32, causal=True)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    k = torch.randn(2, 2, 3, 32).transpose(1, 2)
+    check_call([q, k_cache, v_cache, k, v], kwargs)
+
+
+# ---- Errors -------------------------------------------------------------------------------------------
+
+def _bad(modify, error, message):
+    return modify, error, message
+
+
+def _set(**changes):
+    def modify(args, kwargs):
+        kwargs.update(changes)
+    return modify
+
+
+def _arg(index, make):
+    def modify(args, kwargs):
+        args[index] = make(args[index])
+    return modify
+
+
+def _both(*modifiers):
+    def modify(args, kwargs):
+        for m in modifiers:
+            m(args, kwargs)
+    return modify
+
+
+I32 = dict(dtype=torch.int32)
+# Checks that need no value of the index tensors: the op and its fake raise alike.
+STATIC_ERRORS = {
+    "q_3d": _bad(_arg(0, lambda q: q[0]), RuntimeError, "q must have 4 dimensions"),
+    "cache_3d": _bad(_both(_arg(1, lambda c: c[0]), _arg(2, lambda c: c[0])), RuntimeError,
+                     "k_cache must have 4 dimensions"),
+    "cache_shapes_differ": _bad(_arg(2, lambda c: c[:, :-1]), RuntimeError,
+                                "k_cache and v_cache must have the same shape"),
+    "q_int": _bad(_arg(0, lambda q: q.int()), RuntimeError, "q has dtype Int"),
+    "cache_dtype": _bad(_both(_arg(1, lambda c: c.double()), _arg(2, lambda c: c.double())), RuntimeError,
+                        "k_cache has dtype Double but q has Float"),
+    "head_dim": _bad(_arg(0, lambda q: q[..., :16]), RuntimeError, "k_cache has head_dim 32 but q has head_dim 16"),
+    "gqa_ratio": _bad(_arg(0, lambda q: q[:, :, :3]), RuntimeError, "must be a multiple of heads_kv"),
+    "cache_batch": _bad(_both(_arg(1, lambda c: c[:1]), _arg(2, lambda c: c[:1])), RuntimeError,
+                        "k_cache has batch 1 but q has batch 2"),
+    "k_without_v": _bad(_arg(4, lambda v: None), RuntimeError, "k and v (the new keys and values) must be given"),
+    "k_heads": _bad(_both(_arg(3, lambda k: k[:, :, :1]), _arg(4, lambda v: v[:, :, :1])), RuntimeError,
+                    "k must have shape (batch, seqlen_new, heads_kv, head_dim)"),
+    "k_dtype": _bad(_arg(3, lambda k: k.double()), RuntimeError, "k has dtype Double but q has Float"),
+    "kv_seqlen_differ": _bad(_arg(4, lambda v: v[:, :1]), RuntimeError, "k and v must have the same shape"),
+    "new_longer_than_cache": _bad(_both(_arg(3, lambda k: k.repeat(1, 20, 1, 1)),
+                                        _arg(4, lambda v: v.repeat(1, 20, 1, 1))), RuntimeError,
+                                  "the cache is too short: k has seqlen_new = 60"),
+    "cache_seqlens_int64": _bad(_set(cache_seqlens=torch.tensor([1, 2])), RuntimeError,
+                                "cache_seqlens must be int32, got Long"),
+    "cache_seqlens_shape": _bad(_set(cache_seqlens=torch.tensor([1, 2, 3], **I32)), RuntimeError,
+                                "cache_seqlens must have shape (batch,) = (2,)"),
+    "cache_batch_idx_shape": _bad(_set(cache_batch_idx=torch.tensor([0], **I32)), RuntimeError,
+                                  "cache_batch_idx must have shape (batch,)"),
+    "cache_leftpad_dtype": _bad(_set(cache_leftpad=torch.tensor([0.0, 1.0])), RuntimeError,
+                                "cache_leftpad must be int32, got Float"),
+    "block_table_int64": _bad(_set(block_table=torch.zeros(2, 3, dtype=torch.long)), RuntimeError,
+                              "block_table must be int32"),
+    "block_table_shape": _bad(_set(block_table=torch.zeros(3, **I32)), RuntimeError,
+                              "block_table must have shape (batch, max_blocks)"),
+    "block_table_with_batch_idx": _bad(_set(block_table=torch.zeros(2, 3, **I32),
+                                            cache_batch_idx=torch.tensor([0, 1], **I32)), RuntimeError,
+                                       "cache_batch_idx cannot be used with block_table"),
+    "page_size_0": _bad(_both(_arg(1, lambda c: c[:, :0]), _arg(2, lambda c: c[:, :0]), _arg(3, lambda k: k[:, :0]),
+                              _arg(4, lambda v: v[:, :0]), _set(block_table=torch.zeros(2, 3, **I32))),
+                        RuntimeError, "k_cache.size(1) is the page size and must be >= 1"),
+    "rotary_cos_only": _bad(_set(rotary_cos=torch.ones(40, 8)), RuntimeError,
+                            "rotary_cos and rotary_sin must be given together"),
+    "rotary_without_k": _bad(_both(_arg(3, lambda k: None), _arg(4, lambda v: None),
+                                   _set(rotary_cos=torch.ones(40, 8), rotary_sin=torch.ones(40, 8))), RuntimeError,
+                             "rotary_cos / rotary_sin need k and v"),
+    "rotary_dim_too_large": _bad(_set(rotary_cos=torch.ones(40, 17), rotary_sin=torch.ones(40, 17)), RuntimeError,
+                                 "rotary_cos must have shape (seqlen_ro, rotary_dim / 2)"),
+    "rotary_dtype": _bad(_set(rotary_cos=torch.ones(40, 8).double(), rotary_sin=torch.ones(40, 8).double()),
+                         RuntimeError, "rotary_cos has dtype Double but q has Float"),
+    "rotary_too_short": _bad(_set(rotary_cos=torch.ones(39, 8), rotary_sin=torch.ones(39, 8)), RuntimeError,
+                             "rotary_cos has 39 rows (seqlen_ro) but a sequence of the cache holds up to 40"),
+    "num_splits": _bad(_set(num_splits=-1), RuntimeError, "num_splits must be 0 (automatic) or >= 1"),
+    "alibi_shape": _bad(_set(alibi_slopes=torch.ones(3)), RuntimeError, "alibi_slopes must have shape"),
+    "window": _bad(_set(window_size=(-2, 0)), RuntimeError, "window_size[0]"),
+    "softcap": _bad(_set(softcap=-1.0), RuntimeError, "softcap must be 0 (off)"),
+}
+# Checks of the index tensors' values (the CPU op only) and of Python types (the interface).
+VALUE_ERRORS = {
+    "seqlens_negative": _bad(_set(cache_seqlens=torch.tensor([-1, 2], **I32)), RuntimeError,
+                             "cache_seqlens[0] = -1 must be >= 0"),
+    "cache_full": _bad(_set(cache_seqlens=torch.tensor([1, 38], **I32)), RuntimeError,
+                       "the cache is too short: cache_seqlens[1] = 38 plus seqlen_new = 3 exceeds the 40 keys"),
+    "leftpad_past_seqlens": _bad(_set(cache_leftpad=torch.tensor([0, 12], **I32)), RuntimeError,
+                                 "cache_leftpad[1] = 12 must be in 0..cache_seqlens[1] = 11"),
+    "batch_idx_out_of_range": _bad(_set(cache_batch_idx=torch.tensor([0, 2], **I32)), RuntimeError,
+                                   "cache_batch_idx[1] = 2 is not a row of k_cache (0..1)"),
+    "batch_idx_repeated": _bad(_set(cache_batch_idx=torch.tensor([1, 1], **I32)), RuntimeError,
+                               "cache_batch_idx[0] and cache_batch_idx[1] are both 1"),
+    "block_out_of_range": _bad(_set(block_table=torch.tensor([[0, 1, 2], [3, 99, 4]], **I32)), RuntimeError,
+                               "block_table[1][0] = 3 is not a block of k_cache (0..1)"),
+    "seqlens_float": _bad(_set(cache_seqlens=2.0), TypeError, "cache_seqlens must be an int"),
+    "q_not_tensor": _bad(_arg(0, lambda q: q.tolist()), TypeError, "q must be a torch.Tensor"),
+    "block_table_list": _bad(_set(block_table=[[0]]), TypeError, "block_table must be a torch.Tensor"),
+    "causal_int": _bad(_set(causal=1), TypeError, "causal must be a bool"),
+    "num_splits_float": _bad(_set(num_splits=1.5), TypeError, "num_splits must be an int"),
+    "interleaved_str": _bad(_set(rotary_interleaved="yes"), TypeError, "rotary_interleaved must be a bool"),
+}
+
+
+def bad_call(modify):
+    (q, k_cache, v_cache, k, v), kwargs = make_case(cache_seqlens=(5, 11))
+    args = [q, k_cache, v_cache, k, v]
+    modify(args, kwargs)
+    return args, kwargs
+
+
+@pytest.mark.parametrize("modify,error,message", {**STATIC_ERRORS, **VALUE_ERRORS}.values(),
+                         ids={**STATIC_ERRORS, **VALUE_ERRORS}.keys())
+def test_bad_inputs(modify, error, message):
+    args, kwargs = bad_call(modify)
+    with pytest.raises(error) as raised, torch.no_grad():
+        flash_ext.attention_with_kvcache(*args, **kwargs)
+    assert message in str(raised.value) and "flash_ext" in str(raised.value)
+
+
+@pytest.mark.parametrize("modify,error,message", STATIC_ERRORS.values(), ids=STATIC_ERRORS.keys())
+def test_fake_raises_like_the_op(modify, error, message):
+    args, kwargs = bad_call(modify)
+    with pytest.raises(error) as real, torch.no_grad():
+        flash_ext.attention_with_kvcache(*args, **kwargs)
+    meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+    with pytest.raises(error) as fake, torch.no_grad():
+        flash_ext.attention_with_kvcache(*[meta(a) for a in args], **{n: meta(a) for n, a in kwargs.items()})
+    assert str(fake.value) == str(real.value).replace(" on cpu", " on meta")
+
+
+def test_bad_inputs_leave_the_caches_alone():
+    args, kwargs = bad_call(_set(cache_seqlens=torch.tensor([1, 38], **I32)))
+    before = [t.clone() for t in args[1:3]]
+    with pytest.raises(RuntimeError), torch.no_grad():
+        flash_ext.attention_with_kvcache(*args, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(args[1:3], before))
+
+
+@pytest.mark.parametrize("index", [0, 1, 3])
+def test_requires_grad_is_rejected(index):
+    (q, k_cache, v_cache, k, v), kwargs = make_case()
+    args = [q, k_cache, v_cache, k, v]
+    args[index].requires_grad_()
+    with pytest.raises(RuntimeError, match="forward only"):
+        flash_ext.attention_with_kvcache(*args, **kwargs)
+    with torch.no_grad():
+        flash_ext.attention_with_kvcache(*args, **kwargs)
+
+
+@pytest.mark.cuda
+def test_cuda_raises_not_implemented():
+    q, k_cache, v_cache = (torch.randn(1, 1, 2, 16, device="cuda", dtype=torch.float16) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="the CUDA kernels are not built yet"):
+        flash_ext.attention_with_kvcache(q, k_cache, v_cache)
+
+
+def test_meta_inputs_give_shapes():
+    (q, k_cache, v_cache, k, v), kwargs = make_case(page_size=16, rotary_dim=16)
+    meta = {n: t.to("meta") if isinstance(t, torch.Tensor) else t for n, t in kwargs.items()}
+    out, lse = flash_ext.attention_with_kvcache(*(t.to("meta") for t in (q, k_cache, v_cache, k, v)),
+                                                return_lse=True, **meta)
+    assert out.shape == q.shape and out.device.type == "meta" and lse.shape == (2, 4, 3)
+
+
+def test_opcheck():
+    (q, k_cache, v_cache, k, v), kwargs = make_case(page_size=16, rotary_dim=16, causal=True)
+    args = (q, k_cache, v_cache, k, v, kwargs["rotary_cos"], kwargs["rotary_sin"], True, kwargs["cache_seqlens"],
+            None, None, kwargs["block_table"], 0.2, True, -1, 0, 0.0, None, 0)
+    torch.library.opcheck(torch.ops.flash_ext.kvcache_fwd, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph():
+    (q, k_cache, v_cache, k, v), kwargs = make_case(page_size=16, rotary_dim=16, causal=True, leftpad=(1, 2))
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens):
+        out, lse = flash_ext.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                    return_lse=True, **kwargs)
+        return out * 2, lse
+
+    seqlens = kwargs.pop("cache_seqlens")
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        eager = step(q, *caches[0], k, v, seqlens)
+        result = compiled(q, *caches[1], k, v, seqlens)
+    for a, b in zip(eager + caches[0], result + caches[1]):
+        assert torch.equal(a, b)
+    assert not torch.equal(caches[1][0], k_cache), "the compiled call did not update the cache in place"
+
+
+# ---- A greedy decode loop -----------------------------------------------------------------------------
+
+class TinyModel:
+    """One attention layer with rotary embeddings, a residual and an LM head; random weights."""
+
+    def __init__(self, vocab=40, heads_q=4, heads_kv=2, head_dim=16, max_len=64):
+        d_model = heads_q * head_dim
+        self.heads_q, self.heads_kv, self.head_dim = heads_q, heads_kv, head_dim
+        self.embed = torch.randn(vocab, d_model)
+        self.wq = torch.randn(d_model, d_model) / math.sqrt(d_model)
+        self.wk = torch.randn(d_model, heads_kv * head_dim) / math.sqrt(d_model)
+        self.wv = torch.randn(d_model, heads_kv * head_dim) / math.sqrt(d_model)
+        self.wo = torch.randn(d_model, d_model) / math.sqrt(d_model)
+        angles = torch.arange(max_len)[:, None] * 10000.0 ** (-torch.arange(0, head_dim, 2) / head_dim)
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def qkv(self, tokens):
+        x = self.embed[tokens]
+        batch, seqlen = tokens.shape
+        q = (x @ self.wq).view(batch, seqlen, self.heads_q, self.head_dim)
+        k = (x @ self.wk).view(batch, seqlen, self.heads_kv, self.head_dim)
+        v = (x @ self.wv).view(batch, seqlen, self.heads_kv, self.head_dim)
+        return x, q, k, v
+
+    def logits(self, x, attn):
+        h = x + attn.flatten(-2) @ self.wo
+        return h @ self.embed.t()
+
+    def full(self, tokens):
+        """Logits of the last position, recomputing full causal attention over every token."""
+        x, q, k, v = self.qkv(tokens)
+        positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+        q, k = (apply_rotary_ref(t, self.cos, self.sin, positions, interleaved=False) for t in (q, k))
+        return self.logits(x, flash_ext.attention(q, k, v, causal=True))[:, -1]
+
+    def cached(self, tokens, k_cache, v_cache, length, block_table):
+        """Logits of the last position of `tokens`, appended to caches holding `length` tokens."""
+        x, q, k, v = self.qkv(tokens)
+        attn = flash_ext.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=length, causal=True,
+                                                rotary_cos=self.cos, rotary_sin=self.sin, rotary_interleaved=False,
+                                                block_table=block_table)
+        return self.logits(x, attn)[:, -1]
+
+
+@pytest.mark.parametrize("page_size", [None, 8], ids=["dense", "paged8"])
+def test_greedy_decode_matches_full_recompute(page_size):
+    model, batch, prompt_len, steps, max_len = TinyModel(), 2, 5, 12, 64
+    tokens = torch.randint(0, 40, (batch, prompt_len))
+    if page_size is None:
+        block_table, shape = None, (batch, max_len, model.heads_kv, model.head_dim)
+    else:
+        pages = max_len // page_size
+        block_table = torch.randperm(batch * pages).view(batch, pages).int()
+        shape = (batch * pages, page_size, model.heads_kv, model.head_dim)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    with torch.no_grad():
+        cached = model.cached(tokens, k_cache, v_cache, 0, block_table)  # prefill
+        sequence = tokens
+        for _ in range(steps):
+            full = model.full(sequence)
+            torch.testing.assert_close(cached, full, atol=1e-4, rtol=1e-4)
+            next_token = cached.argmax(-1, keepdim=True)
+            assert torch.equal(next_token, full.argmax(-1, keepdim=True))
+            length = sequence.shape[1]
+            sequence = torch.cat([sequence, next_token], dim=1)
+            cached = model.cached(next_token, k_cache, v_cache, length, block_table)
+    assert sequence.shape == (batch, prompt_len + steps)
