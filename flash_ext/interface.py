@@ -332,7 +332,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optio
         rotary_interleaved: True rotates channel pairs (2i, 2i + 1) (GPT-J); False pairs (i, i + rotary_dim / 2)
             (GPT-NeoX).
         cache_seqlens: an int or int32 (batch,): the keys already in each sequence's cache (counted from the
-            cache's start, cache_leftpad included). None: all of seqlen_cache (no append room then).
+            cache's start, cache_leftpad included). None: the whole cache, seqlen_cache keys (max_blocks *
+            page_size when paged), with no room left to append.
         cache_batch_idx: None or int32 (batch,): the cache row of each sequence (default: row b); not with
             block_table; rows must differ when k and v are appended.
         cache_leftpad: None or int32 (batch,): where each sequence starts in its cache; keys before it are

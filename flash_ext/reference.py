@@ -166,8 +166,8 @@ def attention_with_kvcache_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: O
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     paged = block_table is not None
     page_size = k_cache.shape[1]
-    if cache_seqlens is None:
-        seqlens = [k_cache.shape[1]] * batch
+    if cache_seqlens is None:  # every key of the cache: a row, or every page of the block table
+        seqlens = [page_size * (block_table.shape[1] if paged else 1)] * batch
     elif isinstance(cache_seqlens, int):
         seqlens = [cache_seqlens] * batch
     else:

@@ -224,7 +224,7 @@ KvcacheResult kvcache_fwd_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
   const int64_t capacity = paged ? block_table->size(1) * k_cache.size(1) : k_cache.size(1);
 
   // The index tensors' values (host memory: reading them is free here).
-  const std::vector<int64_t> seqlens = values_or(cache_seqlens, batch, k_cache.size(1));
+  const std::vector<int64_t> seqlens = values_or(cache_seqlens, batch, capacity);  // None: every key
   const std::vector<int64_t> leftpad = values_or(cache_leftpad, batch, 0);
   CacheLayout layout;
   at::Tensor table;
