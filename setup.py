@@ -79,7 +79,7 @@ def make_extension():
     link_flags = ["-fopenmp"]
     # The torch-facing layer (csrc/api/, the only sources that include torch), the CPU implementation and
     # the runtime settings; a CUDA build adds the torch-free dispatch and the kernel instantiations.
-    sources = [path for path in sorted(glob.glob("csrc/api/*.cpp")) if not path.endswith("ops_cuda.cpp")]
+    sources = [path for path in sorted(glob.glob("csrc/api/*.cpp")) if not path.endswith("_cuda.cpp")]
     sources += sorted(glob.glob("csrc/cpu/*.cpp")) + ["csrc/host/runtime_settings.cpp"]
     if not with_cuda():
         reason = "FLASH_EXT_FORCE_CPU=1" if os.environ.get("FLASH_EXT_FORCE_CPU") == "1" else "no CUDA torch or no nvcc found"
@@ -90,7 +90,7 @@ def make_extension():
 
     archs = cuda_archs()
     print(f"flash_ext: building CUDA kernels for {';'.join(archs)} with nvcc from {CUDA_HOME}")
-    sources += ["csrc/api/ops_cuda.cpp", "csrc/dispatch.cpp", "csrc/host/device_info.cpp"] + sorted(glob.glob("csrc/instantiations/*.cu"))
+    sources += sorted(glob.glob("csrc/api/*_cuda.cpp")) + ["csrc/dispatch.cpp", "csrc/host/device_info.cpp"] + sorted(glob.glob("csrc/instantiations/*.cu"))
     nvcc_flags = [
         "-O3",
         "--use_fast_math",

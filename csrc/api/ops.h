@@ -39,6 +39,17 @@ KvcacheResult kvcache_fwd_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
                               const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits);
 
 #ifdef FLASH_EXT_WITH_CUDA
+// flash_ext::kvcache_fwd on CUDA (ops_kvcache_cuda.cpp): the same semantics, index values unchecked (no host sync).
+KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                               const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+                               const std::optional<at::Tensor>& rotary_cos,
+                               const std::optional<at::Tensor>& rotary_sin, bool rotary_interleaved,
+                               const std::optional<at::Tensor>& cache_seqlens,
+                               const std::optional<at::Tensor>& cache_batch_idx,
+                               const std::optional<at::Tensor>& cache_leftpad,
+                               const std::optional<at::Tensor>& block_table, double softmax_scale, bool causal,
+                               int64_t window_left, int64_t window_right, double softcap,
+                               const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits);
 FwdResult attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const AttentionOptions& options, const VarlenArgs& varlen);
 BwdResult attention_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -130,7 +130,7 @@ TORCH_LIBRARY(flash_ext, m) {
   // (batch_cache, seqlen_cache, heads_kv, head_dim), or pages (num_blocks, page_size, heads_kv, head_dim) with
   // block_table (batch, max_blocks) int32. k / v (batch, seqlen_new, heads_kv, head_dim), when given, are written
   // into the caches in place (hence the (a!) / (b!) annotations) at cache_seqlens[b] ..., then attended to.
-  // cache_seqlens, cache_batch_idx, cache_leftpad: int32 (batch,). No dropout, no backward. CPU only for now.
+  // cache_seqlens, cache_batch_idx, cache_leftpad: int32 (batch,). No dropout, no backward.
   m.def(
       "kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, Tensor? v=None, "
       "Tensor? rotary_cos=None, Tensor? rotary_sin=None, bool rotary_interleaved=True, Tensor? cache_seqlens=None, "
@@ -166,6 +166,7 @@ TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) {
   m.impl("varlen_fwd", &varlen_fwd<attention_fwd_cuda>);
   m.impl("varlen_bwd", &varlen_bwd<attention_bwd_cuda>);
   m.impl("kernel_path", &kernel_path);
+  m.impl("kvcache_fwd", &kvcache_fwd_cuda);
 }
 #endif
 
