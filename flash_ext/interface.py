@@ -293,10 +293,6 @@ attention_varlen.__doc__ = """Attention over a batch of sequences of different l
 
 # ---- KV cache ------------------------------------------------------------------------------------
 
-_KVCACHE_CUDA_MESSAGE = ("flash_ext.attention_with_kvcache: the CUDA kernels are not built yet; the CPU path "
-                         "implements the semantics")
-
-
 def _optional_tensor(name: str, value: Any) -> None:
     if value is not None:
         _check_tensor(name, value)
@@ -313,9 +309,11 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optio
                            return_lse: bool = False) -> Union[Tensor, _Lse]:
     """Attention of q over a KV cache, after appending new keys and values to it in place (inference).
 
-    CPU only for now: on CUDA tensors it raises NotImplementedError (the CUDA kernels are not built yet;
-    the CPU path implements the semantics). Forward only: inputs that require grad (with grad mode on)
-    are rejected. The semantics are those of flash-attn 2.8's flash_attn_with_kvcache.
+    CPU and CUDA. On CUDA: correct and CUDA-graph capturable, not yet fast (the keys are gathered and run
+    through the varlen kernels; a decode kernel is planned); index values (cache_seqlens, cache_batch_idx,
+    cache_leftpad, block_table) are not checked on CUDA: out-of-range values are the caller's error, as
+    cu_seqlens in attention_varlen (the CPU checks them). Forward only: inputs that require grad (with grad
+    mode on) are rejected. The semantics are those of flash-attn 2.8's flash_attn_with_kvcache.
 
     Args:
         q: (batch, seqlen_q, heads_q, head_dim), any seqlen_q; dtypes as for flash_ext.attention.
@@ -356,8 +354,6 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optio
                 ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("block_table", block_table))
     for name, t in optional:
         _optional_tensor(name, t)
-    if any(t.device.type == "cuda" for t in (q, k_cache, v_cache)):
-        raise NotImplementedError(_KVCACHE_CUDA_MESSAGE)
     if torch.is_grad_enabled():
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) + optional + (
                 ("alibi_slopes", alibi_slopes),):
