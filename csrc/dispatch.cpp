@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "common/dq_accum_layout.h"
+#include "decode/launch.h"
 #include "host/device_info.h"
 #include "host/runtime_settings.h"
 #include "kernel_configs.h"
@@ -115,6 +116,24 @@ void run_attention_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_
     if (!dkdv_done) sm80::run_attention_bwd_dkdv<kElem, kHeadDim>(params, plan, stream);
     sm80::run_attention_bwd_dq<kElem, kHeadDim>(params, plan, overlap_keys_per_walk, stream);
   });
+}
+
+bool decode_supports(int head_dim) { return kernel_configs::decode_has(head_dim); }
+
+void run_attention_decode(const DecodeParams& params, bool bfloat16, cudaStream_t stream) {
+  auto for_dtype = [&](auto elem) {
+    switch (params.head_dim) {
+#define FLASH_EXT_DECODE_CASE(d)                                                  \
+  case d:                                                                         \
+    return decode::run_attention_decode<decltype(elem)::value, d>(params, stream);
+      FLASH_EXT_DECODE_HEAD_DIMS(FLASH_EXT_DECODE_CASE)
+#undef FLASH_EXT_DECODE_CASE
+      default:
+        throw std::invalid_argument("flash_ext: no decode kernel for head_dim " + std::to_string(params.head_dim));
+    }
+  };
+  if (bfloat16) return for_dtype(std::integral_constant<Elem16, Elem16::kBFloat16>{});
+  return for_dtype(std::integral_constant<Elem16, Elem16::kFloat16>{});
 }
 
 std::string describe_kernels(const BwdParams& params) {

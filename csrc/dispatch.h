@@ -8,6 +8,7 @@
 #include <string>
 
 #include "bwd_plan.h"
+#include "decode/decode_params.h"
 #include "params.h"
 
 namespace flash_ext {
@@ -21,6 +22,11 @@ BwdPlan plan_attention_bwd(const BwdParams& params);
 
 // Runs the plan's three steps. params' scratch pointers are those the plan sized.
 void run_attention_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream);
+
+// Whether the decode kernel has an instantiation for this head dim (kernel_configs.h).
+bool decode_supports(int head_dim);
+// Runs the decode kernels (decode/launch.h) for params.head_dim; `bfloat16` picks the element type.
+void run_attention_decode(const DecodeParams& params, bool bfloat16, cudaStream_t stream);
 
 // Which kernels the forward and the backward of this call take, in words (flash_ext.kernel_path).
 std::string describe_kernels(const BwdParams& params);

@@ -13,6 +13,8 @@
 #define FLASH_EXT_SM90_FWD_HEAD_DIMS(X) X(64) X(128) X(256)
 // The sm90 dK/dV kernel's head dims (the backward's preprocess and dQ steps are the sm80 ones).
 #define FLASH_EXT_SM90_BWD_HEAD_DIMS(X) X(64) X(128) X(256)
+// The decode kernel's head dims (flash_ext.attention_with_kvcache on CUDA); others take the varlen kernels.
+#define FLASH_EXT_DECODE_HEAD_DIMS(X) X(64) X(128) X(256)
 
 namespace flash_ext {
 
@@ -25,6 +27,7 @@ namespace kernel_configs {
 constexpr bool sm80_has(int head_dim) { return false FLASH_EXT_SM80_HEAD_DIMS(FLASH_EXT_HEAD_DIM_MATCHES); }
 constexpr bool sm90_has_fwd(int head_dim) { return false FLASH_EXT_SM90_FWD_HEAD_DIMS(FLASH_EXT_HEAD_DIM_MATCHES); }
 constexpr bool sm90_has_bwd(int head_dim) { return false FLASH_EXT_SM90_BWD_HEAD_DIMS(FLASH_EXT_HEAD_DIM_MATCHES); }
+constexpr bool decode_has(int head_dim) { return false FLASH_EXT_DECODE_HEAD_DIMS(FLASH_EXT_HEAD_DIM_MATCHES); }
 #undef FLASH_EXT_HEAD_DIM_MATCHES
 
 // The head dim the CUDA kernels run a call of `head_dim` at (the smallest sm80 head dim >= it), or 0

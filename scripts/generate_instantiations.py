@@ -28,6 +28,10 @@ UNITS = {
             ("bool", "run_attention_fwd", "const FwdParams&, cudaStream_t"),
         ]),
     ],
+    "DECODE_HEAD_DIMS": [
+        ("decode", "decode", "launch_template.cuh",
+         [("void", "run_attention_decode", "const DecodeParams&, cudaStream_t")]),
+    ],
     "SM90_BWD_HEAD_DIMS": [
         ("bwd_sm90", "sm90", "bwd_launch_template.cuh", [
             ("bool", "bwd_dkdv_applies", "const BwdParams&"),

@@ -583,3 +583,46 @@ def test_cuda_graph_decode_loop(page_size, advance):
     assert torch.equal(graph_seqlens, seqlens + steps)
     assert torch.equal(k_cache, eager_caches[0]) and torch.equal(v_cache, eager_caches[1])
     assert not torch.equal(k_cache, initial_caches[0]), "the replays did not append to the cache"
+
+
+# ---- The CUDA decode kernels (head dims 64 / 128 / 256 read the caches in place) --------------------------
+
+DECODE_OPTIONS = {name: options for name, options in SINGLE_OPTIONS.items()
+                  if name not in ("bf16", "fp16", "head_dim_1", "head_dim_256", "head_dim_odd", "head_dim_59",
+                                  "head_dim_128_paged", "rotary_interleaved", "rotary_neox")}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("options", list(DECODE_OPTIONS.values()), ids=list(DECODE_OPTIONS))
+def test_decode_kernel_each_option(options, head_dim):
+    """Every option through the decode kernels (head dims they are built for), against the reference."""
+    check_call(*case("cuda", torch.bfloat16, **dict(options, head_dim=head_dim)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("options", list(COMBINATIONS.values()), ids=list(COMBINATIONS))
+def test_decode_kernel_combinations(options):
+    check_call(*case("cuda", torch.float16, **dict(options, head_dim=128)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+def test_decode_num_splits_agree_and_repeat(page_size):
+    """num_splits 1, 2, 7 and automatic: within tolerance of each other, and each bitwise repeatable."""
+    args, kwargs = case("cuda", torch.bfloat16, head_dim=128, heads_q=8, heads_kv=2, seqlen_q=1, seqlen_new=1,
+                        seqlen_cache=700, cache_seqlens=(650, 37), page_size=page_size, causal=True)
+    results = {}
+    for splits in (1, 2, 7, 0):
+        runs = []
+        for _ in range(2):
+            k_cache, v_cache = args[1].clone(), args[2].clone()
+            with torch.no_grad():
+                runs.append(flash_ext.attention_with_kvcache(args[0], k_cache, v_cache, *args[3:], num_splits=splits,
+                                                             return_lse=True, **kwargs))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), splits
+        results[splits] = runs[0]
+    for splits in (2, 7, 0):
+        assert (results[splits][0].float() - results[1][0].float()).abs().max().item() <= 4 * EPS[torch.bfloat16]
+        assert (results[splits][1] - results[1][1]).abs().max().item() <= 1e-4
+    check_call(args, dict(kwargs, num_splits=7))

@@ -1,8 +1,9 @@
-// flash_ext::kvcache_fwd on CUDA: the semantics of ops_kvcache_cpu.cpp as a composition that needs no host
-// sync (the index tensors' values stay on the device, so a CUDA graph can replay it with advancing
-// cache_seqlens): rotary and the in-place append by torch ops with device index tensors, a gather of every
-// sequence's keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) into a packed batch, then the varlen CUDA
-// forward. Correct, not fast: the gather reads and writes each sequence's whole cache capacity per call. The
+// flash_ext::kvcache_fwd on CUDA: the semantics of ops_kvcache_cpu.cpp with no host sync (the index tensors'
+// values stay on the device, so a CUDA graph can replay a call with advancing cache_seqlens): rotary and the
+// in-place append by torch ops with device index tensors, then the split-KV decode kernels (csrc/decode/),
+// which read the keys through the block table or the cache rows in place. Head dims without a decode kernel,
+// and caches it cannot read (strides or base not 16-byte aligned), take a gather of each sequence's keys
+// [cache_leftpad[b], cache_seqlens[b] + seqlen_new) into a packed batch and the varlen forward instead. The
 // index values are the caller's contract here (an out-of-range one is a device-side error), as cu_seqlens are.
 #include <ATen/TensorIndexing.h>
 #include <ATen/TensorOperators.h>
@@ -10,6 +11,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/cumsum.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/floor_divide.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/remainder.h>
@@ -17,9 +19,16 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <utility>
 
+#include "../dispatch.h"
+#include "../decode/launch.h"
+#include "../host/device_info.h"
 #include "kvcache_common.h"
 #include "ops.h"
 #include "params_from_tensors.h"
@@ -35,6 +44,26 @@ std::pair<at::Tensor, at::Tensor> locate(const at::Tensor& seq, const at::Tensor
     return {table.index({seq, at::floor_divide(pos, page_size)}), at::remainder(pos, page_size)};
   }
   return {rows.index({seq}), pos};
+}
+
+// Whether the decode kernels can read the caches in place: 16-byte aligned bases and strides, the same strides
+// for k_cache and v_cache, the head dim one they are built for.
+bool decode_applies(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const auto aligned = [](const at::Tensor& t) {
+    if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0 || t.stride(3) != 1) return false;
+    for (int d = 0; d < 3; ++d)
+      if (t.stride(d) % 8 != 0) return false;
+    return true;
+  };
+  return decode_supports(static_cast<int>(k_cache.size(3))) && k_cache.strides() == v_cache.strides() &&
+         aligned(k_cache) && aligned(v_cache);
+}
+
+// Key splits: enough CTAs for two per SM, at least 256 keys a split, at most 128 splits; `requested` > 0 forces.
+int decode_splits(int64_t requested, int64_t ctas_without_split, int64_t capacity, int num_sms) {
+  if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, 1024));
+  const int64_t wanted = (2 * int64_t{num_sms} + ctas_without_split - 1) / std::max<int64_t>(ctas_without_split, 1);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({wanted, (capacity + 255) / 256, 128})));
 }
 
 }  // namespace
@@ -87,6 +116,65 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
     const auto [first, second] = locate(sequence_of_row.expand_as(new_positions), new_positions, rows, table, page_size);
     k_cache.index_put_({first, second}, k_new);
     v_cache.index_put_({first, second}, v_new);
+  }
+
+  if (decode_applies(k_cache, v_cache) && batch > 0 && seqlen_q > 0) {
+    const at::Tensor q_dense = q_used.contiguous();
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    at::Tensor lse = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+    const auto ints = [](const std::optional<at::Tensor>& t) {
+      return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+    };
+    const std::optional<at::Tensor> seqlens_i = ints(cache_seqlens), leftpad_i = ints(cache_leftpad),
+                                    rows_i = ints(cache_batch_idx), table_i = ints(block_table);
+    DecodeParams p;
+    p.q = q_dense.data_ptr();
+    p.k_cache = k_cache.data_ptr();
+    p.v_cache = v_cache.data_ptr();
+    p.cache_batch_stride = k_cache.stride(0);
+    p.cache_row_stride = k_cache.stride(1);
+    p.cache_head_stride = k_cache.stride(2);
+    if (table_i.has_value()) {
+      p.block_table = table_i->data_ptr<int32_t>();
+      p.block_table_stride = table_i->stride(0);
+      p.page_size = static_cast<int>(page_size);
+    }
+    if (rows_i.has_value()) p.cache_batch_idx = rows_i->data_ptr<int32_t>();
+    if (seqlens_i.has_value()) p.seqlens = seqlens_i->data_ptr<int32_t>();
+    if (leftpad_i.has_value()) p.leftpad = leftpad_i->data_ptr<int32_t>();
+    p.seqlen_new = static_cast<int>(seqlen_new);
+    p.capacity = capacity;
+    p.batch = static_cast<int>(batch);
+    p.seqlen_q = static_cast<int>(seqlen_q);
+    p.heads_q = static_cast<int>(heads_q);
+    p.heads_kv = static_cast<int>(k_cache.size(2));
+    p.head_dim = static_cast<int>(head_dim);
+    p.softmax_scale = static_cast<float>(options.softmax_scale);
+    p.scale_log2 = static_cast<float>(options.softmax_scale * M_LOG2E);
+    p.softcap = static_cast<float>(options.softcap);
+    if (options.alibi_slopes.has_value()) {
+      p.alibi_slopes = options.alibi_slopes->data_ptr<float>();
+      p.alibi_batch_stride = options.alibi_slopes->dim() == 2 ? options.alibi_slopes->stride(0) : 0;
+    }
+    p.window_left = static_cast<int>(options.window_left);
+    p.window_right = static_cast<int>(options.window_right);
+    const int rows = p.heads_q / p.heads_kv * p.seqlen_q;
+    const int rows_per_cta = decode::rows_per_cta(rows);
+    p.row_chunks = (rows + rows_per_cta - 1) / rows_per_cta;
+    p.num_splits = decode_splits(num_splits, int64_t{batch} * p.heads_kv * p.row_chunks, capacity,
+                                 device_info(q.device().index()).num_sms);
+    p.keys_per_split = std::max<int64_t>(32, ((capacity + p.num_splits - 1) / p.num_splits + 31) / 32 * 32);
+    at::Tensor out_partial, lse_partial;
+    if (p.num_splits > 1) {
+      out_partial = at::empty({p.num_splits, batch * seqlen_q * heads_q, head_dim}, q.options().dtype(at::kFloat));
+      lse_partial = at::empty({p.num_splits, batch * seqlen_q * heads_q}, q.options().dtype(at::kFloat));
+      p.out_partial = out_partial.data_ptr<float>();
+      p.lse_partial = lse_partial.data_ptr<float>();
+    }
+    p.out = out.data_ptr();
+    p.lse = lse.data_ptr<float>();
+    run_attention_decode(p, q.scalar_type() == at::kBFloat16, c10::cuda::getCurrentCUDAStream().stream());
+    return {out, lse};
   }
 
   // Row p of the packed keys is key p - cu_seqlens_k[b] of the sequence b whose span holds p; rows past the
