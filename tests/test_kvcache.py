@@ -603,7 +603,7 @@ def test_decode_kernel_each_option(options, head_dim):
 @pytest.mark.cuda
 @pytest.mark.parametrize("options", list(COMBINATIONS.values()), ids=list(COMBINATIONS))
 def test_decode_kernel_combinations(options):
-    check_call(*case("cuda", torch.float16, **dict(options, head_dim=128)))
+    check_call(*case("cuda", None, **dict(options, head_dim=128, dtype=options.get("dtype", torch.float16))))
 
 
 @pytest.mark.cuda
