@@ -311,8 +311,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optio
 
     CPU and CUDA. On CUDA: CUDA-graph capturable; head dims 64 / 128 / 256 run the split-KV decode kernel
     (the cache read in place), other head dims gather the keys and run the varlen kernels; index values
-    (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) are not checked on CUDA: out-of-range values are the caller's error, as
-    cu_seqlens in attention_varlen (the CPU checks them). Forward only: inputs that require grad (with grad
+    (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) are not checked on CUDA: out-of-range values
+    are the caller's error, as cu_seqlens in attention_varlen (the CPU checks them). Forward only: inputs that require grad (with grad
     mode on) are rejected. The semantics are those of flash-attn 2.8's flash_attn_with_kvcache.
 
     Args:
