@@ -5,12 +5,13 @@
 # local GPU and benchmarked with the same bench_attention.py arguments; with --tests, its CUDA tests run
 # too (with --sanitize also scripts/sanitize.py under compute-sanitizer memcheck and racecheck); with
 # --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
-# table (--features=score_mods: only some of its groups, a comma list, see its --only). Versions measured in
+# table (--features=score_mods: only some of its groups, a comma list, see its --only); with --decode,
+# benchmarks/bench_decode.py (BENCH ARGS are then its arguments) replaces bench_attention.py. Versions measured in
 # one call share the GPU's state (clocks, temperature), so their differences are more telling than numbers
 # from separate calls. Two files per version come back: $OUT/<name>.txt (build status, ptxas summary, test
 # line, tables) and $OUT/<name>.json (bench_attention.py's rows).
 #
-#   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [-- BENCH ARGS]
+#   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [--decode] [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
 # At most 3 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
@@ -27,12 +28,15 @@ SANITIZE=0
 FEATURES=0
 FEATURE_GROUPS=varlen,window,score_mods
 BENCH_ARGS=(--head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash)
+BENCH=benchmarks/bench_attention.py
+BENCH_LINES="^(op |-{8}|fwd |bwd |fwd_bwd |TFLOP)"
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests) TESTS=1 ;;
     --sanitize) SANITIZE=1 ;;
     --features) FEATURES=1 ;;
     --features=*) FEATURES=1; FEATURE_GROUPS=${1#--features=} ;;
+    --decode) BENCH=benchmarks/bench_decode.py; BENCH_ARGS=(); BENCH_LINES="." ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "compare_variants.sh: unknown argument $1" >&2; exit 64 ;;
   esac
@@ -64,8 +68,8 @@ measure() {  # name dir
         done
       fi
     fi
-    PYTHONPATH="$PWD" timeout 300 "$PY" benchmarks/bench_attention.py "${BENCH_ARGS[@]}" --json "$OUT/$name.json" 2>&1 |
-      grep -E "^(op |-{8}|fwd |bwd |fwd_bwd |TFLOP)"
+    PYTHONPATH="$PWD" timeout 300 "$PY" "$BENCH" "${BENCH_ARGS[@]}" --json "$OUT/$name.json" 2>&1 |
+      grep -E "$BENCH_LINES"
     if [ "$FEATURES" = 1 ]; then
       # shellcheck disable=SC2086  # FEATURE_ARGS: words
       PYTHONPATH="$PWD" timeout 120 "$PY" benchmarks/bench_features.py --only "$FEATURE_GROUPS" ${FEATURE_ARGS:-} 2>&1 |

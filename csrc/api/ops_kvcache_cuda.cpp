@@ -1,10 +1,12 @@
 // flash_ext::kvcache_fwd on CUDA: the semantics of ops_kvcache_cpu.cpp with no host sync (the index tensors'
 // values stay on the device, so a CUDA graph can replay a call with advancing cache_seqlens): rotary and the
-// in-place append by torch ops with device index tensors, then the split-KV decode kernels (csrc/decode/),
-// which read the keys through the block table or the cache rows in place. Head dims without a decode kernel,
-// and caches it cannot read (strides or base not 16-byte aligned), take a gather of each sequence's keys
-// [cache_leftpad[b], cache_seqlens[b] + seqlen_new) into a packed batch and the varlen forward instead. The
-// index values are the caller's contract here (an out-of-range one is a device-side error), as cu_seqlens are.
+// in-place append by torch ops with device index tensors, then the attention step. Decode and speculative
+// decoding (few query rows per kv head) take the split-KV decode kernels (csrc/decode/), which read the keys
+// through the block table or the cache rows in place. Prefill against a cached prefix, head dims without a
+// decode kernel, and caches it cannot read (strides or base not 16-byte aligned) take a gather of each
+// sequence's keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) into a packed batch and the varlen forward
+// instead. The index values are the caller's contract here (an out-of-range one is a device-side error), as
+// cu_seqlens are.
 #include <ATen/TensorIndexing.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
@@ -24,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <utility>
 
 #include "../dispatch.h"
@@ -59,11 +62,93 @@ bool decode_applies(const at::Tensor& k_cache, const at::Tensor& v_cache) {
          aligned(k_cache) && aligned(v_cache);
 }
 
-// Key splits: enough CTAs for two per SM, at least 256 keys a split, at most 128 splits; `requested` > 0 forces.
-int decode_splits(int64_t requested, int64_t ctas_without_split, int64_t capacity, int num_sms) {
-  if (requested > 0) return static_cast<int>(std::min<int64_t>(requested, 1024));
-  const int64_t wanted = (2 * int64_t{num_sms} + ctas_without_split - 1) / std::max<int64_t>(ctas_without_split, 1);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({wanted, (capacity + 255) / 256, 128})));
+// Whether the decode kernels take a call: few packed rows per kv head (decode, speculative decoding), so that
+// reading each K / V byte once per 16-row chunk beats a gather into the training kernels; those take prefill
+// against a cached prefix, where the arithmetic dominates.
+bool decode_takes(int64_t seqlen_q, int64_t group) { return seqlen_q * group <= 8 * decode::kRowsPerCta; }
+
+// Key splits: every resident CTA slot of the device filled once (more would be a second partial wave), in
+// whole CTA rounds of keys; `requested` > 0 forces the number.
+std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_split, int64_t capacity,
+                                      int head_dim, int num_sms) {
+  const auto keys_per = [](int64_t keys, int64_t parts) {
+    const int64_t round = decode::kCtaKeys;
+    return std::max<int64_t>(round, ((keys + parts - 1) / parts + round - 1) / round * round);
+  };
+  if (requested > 0) {
+    const int64_t splits = std::min<int64_t>(requested, 1024);
+    return {static_cast<int>(splits), keys_per(capacity, splits)};
+  }
+  const int64_t slots = int64_t{num_sms} * decode::resident_ctas_per_sm(head_dim);
+  const int64_t wanted = std::max<int64_t>(1, slots / std::max<int64_t>(ctas_without_split, 1));
+  const int64_t keys = keys_per(capacity, std::min<int64_t>(wanted, 256));
+  return {static_cast<int>((capacity + keys - 1) / keys), keys};
+}
+
+// The attention step on the decode kernels: reads the caches in place (through the block table or the
+// cache rows), the index tensors as given (int32, made contiguous).
+KvcacheResult run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const std::optional<at::Tensor>& cache_seqlens,
+                         const std::optional<at::Tensor>& cache_batch_idx,
+                         const std::optional<at::Tensor>& cache_leftpad,
+                         const std::optional<at::Tensor>& block_table, int64_t seqlen_new, int64_t capacity,
+                         const AttentionOptions& options, int64_t num_splits) {
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads_q = q.size(2), head_dim = q.size(3);
+  // The kernel reads q in 16-byte pieces.
+  const at::Tensor q_dense = reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 ? q.contiguous() : q.clone();
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+  const auto ints = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+  };
+  const std::optional<at::Tensor> seqlens_i = ints(cache_seqlens), leftpad_i = ints(cache_leftpad),
+                                  rows_i = ints(cache_batch_idx), table_i = ints(block_table);
+  DecodeParams p;
+  p.q = q_dense.data_ptr();
+  p.k_cache = k_cache.data_ptr();
+  p.v_cache = v_cache.data_ptr();
+  p.cache_batch_stride = k_cache.stride(0);
+  p.cache_row_stride = k_cache.stride(1);
+  p.cache_head_stride = k_cache.stride(2);
+  if (table_i.has_value()) {
+    p.block_table = table_i->data_ptr<int32_t>();
+    p.block_table_stride = table_i->stride(0);
+    p.page_size = static_cast<int>(k_cache.size(1));
+  }
+  if (rows_i.has_value()) p.cache_batch_idx = rows_i->data_ptr<int32_t>();
+  if (seqlens_i.has_value()) p.seqlens = seqlens_i->data_ptr<int32_t>();
+  if (leftpad_i.has_value()) p.leftpad = leftpad_i->data_ptr<int32_t>();
+  p.seqlen_new = static_cast<int>(seqlen_new);
+  p.capacity = capacity;
+  p.batch = static_cast<int>(batch);
+  p.seqlen_q = static_cast<int>(seqlen_q);
+  p.heads_q = static_cast<int>(heads_q);
+  p.heads_kv = static_cast<int>(k_cache.size(2));
+  p.head_dim = static_cast<int>(head_dim);
+  p.softmax_scale = static_cast<float>(options.softmax_scale);
+  p.softcap = static_cast<float>(options.softcap);
+  if (options.alibi_slopes.has_value()) {
+    p.alibi_slopes = options.alibi_slopes->data_ptr<float>();
+    p.alibi_batch_stride = options.alibi_slopes->dim() == 2 ? options.alibi_slopes->stride(0) : 0;
+  }
+  p.window_left = static_cast<int>(options.window_left);
+  p.window_right = static_cast<int>(options.window_right);
+  const int rows = p.heads_q / p.heads_kv * p.seqlen_q;
+  p.row_chunks = (rows + decode::kRowsPerCta - 1) / decode::kRowsPerCta;
+  std::tie(p.num_splits, p.keys_per_split) =
+      decode_splits(num_splits, int64_t{batch} * p.heads_kv * p.row_chunks, capacity, p.head_dim,
+                    device_info(q.device().index()).num_sms);
+  at::Tensor out_partial, lse_partial;
+  if (p.num_splits > 1) {
+    out_partial = at::empty({p.num_splits, batch * seqlen_q * heads_q, head_dim}, q.options().dtype(at::kFloat));
+    lse_partial = at::empty({p.num_splits, batch * seqlen_q * heads_q}, q.options().dtype(at::kFloat));
+    p.out_partial = out_partial.data_ptr<float>();
+    p.lse_partial = lse_partial.data_ptr<float>();
+  }
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  run_attention_decode(p, q.scalar_type() == at::kBFloat16, c10::cuda::getCurrentCUDAStream().stream());
+  return {out, lse};
 }
 
 }  // namespace
@@ -90,93 +175,45 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
   const int64_t capacity = paged ? block_table->size(1) * page_size : k_cache.size(1);
   const auto longs = q.options().dtype(at::kLong);
 
-  const at::Tensor seqlens = cache_seqlens.has_value() ? cache_seqlens->to(at::kLong) : at::full({batch}, capacity, longs);
-  const at::Tensor leftpad = cache_leftpad.has_value() ? cache_leftpad->to(at::kLong) : at::zeros({batch}, longs);
+  // Index tensors as int64, formed only where a step needs them (each is a kernel launch).
+  const auto seqlens_of = [&] {
+    return cache_seqlens.has_value() ? cache_seqlens->to(at::kLong) : at::full({batch}, capacity, longs);
+  };
+  const auto rows_of = [&] {
+    if (paged) return at::Tensor();
+    return cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong) : at::arange(batch, longs);
+  };
   const at::Tensor table = paged ? block_table->to(at::kLong) : at::Tensor();
-  const at::Tensor rows = paged                        ? at::Tensor()
-                          : cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong)
-                                                        : at::arange(batch, longs);
-  const at::Tensor sequence_of_row = at::arange(batch, longs).unsqueeze(1);  // (batch, 1)
 
   // Rotary positions: the new keys at cache_seqlens[b] + i; the queries at cache_seqlens[b] + i when causal or
   // windowed, else all at cache_seqlens[b] (absolute cache positions, as on the CPU).
-  at::Tensor q_used = q, k_new, v_new;
-  const at::Tensor new_positions = seqlens.unsqueeze(1) + at::arange(seqlen_new, longs);  // (batch, seqlen_new)
-  if (k.has_value()) {
-    k_new = *k;
-    v_new = *v;
-  }
-  if (rotary_cos.has_value()) {
-    const bool local = causal || window_left >= 0 || window_right >= 0;
-    const at::Tensor q_offsets = local ? at::arange(seqlen_q, longs) : at::zeros({seqlen_q}, longs);
-    q_used = rotate(q, *rotary_cos, *rotary_sin, seqlens.unsqueeze(1) + q_offsets, rotary_interleaved);
-    k_new = rotate(k_new, *rotary_cos, *rotary_sin, new_positions, rotary_interleaved);
-  }
-  if (seqlen_new > 0 && batch > 0) {
-    const auto [first, second] = locate(sequence_of_row.expand_as(new_positions), new_positions, rows, table, page_size);
-    k_cache.index_put_({first, second}, k_new);
-    v_cache.index_put_({first, second}, v_new);
+  at::Tensor q_used = q;
+  if ((rotary_cos.has_value() || seqlen_new > 0) && batch > 0) {
+    const at::Tensor seqlens = seqlens_of();
+    const at::Tensor new_positions = seqlens.unsqueeze(1) + at::arange(seqlen_new, longs);  // (batch, seqlen_new)
+    at::Tensor k_new = k.has_value() ? *k : at::Tensor(), v_new = v.has_value() ? *v : at::Tensor();
+    if (rotary_cos.has_value()) {
+      const bool local = causal || window_left >= 0 || window_right >= 0;
+      const at::Tensor q_offsets = local ? at::arange(seqlen_q, longs) : at::zeros({seqlen_q}, longs);
+      q_used = rotate(q, *rotary_cos, *rotary_sin, seqlens.unsqueeze(1) + q_offsets, rotary_interleaved);
+      if (seqlen_new > 0) k_new = rotate(k_new, *rotary_cos, *rotary_sin, new_positions, rotary_interleaved);
+    }
+    if (seqlen_new > 0) {
+      const at::Tensor sequence_of_row = at::arange(batch, longs).unsqueeze(1).expand_as(new_positions);
+      const auto [first, second] = locate(sequence_of_row, new_positions, rows_of(), table, page_size);
+      k_cache.index_put_({first, second}, k_new);
+      v_cache.index_put_({first, second}, v_new);
+    }
   }
 
-  if (decode_applies(k_cache, v_cache) && batch > 0 && seqlen_q > 0) {
-    const at::Tensor q_dense = q_used.contiguous();
-    at::Tensor out = at::empty(q.sizes(), q.options());
-    at::Tensor lse = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
-    const auto ints = [](const std::optional<at::Tensor>& t) {
-      return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
-    };
-    const std::optional<at::Tensor> seqlens_i = ints(cache_seqlens), leftpad_i = ints(cache_leftpad),
-                                    rows_i = ints(cache_batch_idx), table_i = ints(block_table);
-    DecodeParams p;
-    p.q = q_dense.data_ptr();
-    p.k_cache = k_cache.data_ptr();
-    p.v_cache = v_cache.data_ptr();
-    p.cache_batch_stride = k_cache.stride(0);
-    p.cache_row_stride = k_cache.stride(1);
-    p.cache_head_stride = k_cache.stride(2);
-    if (table_i.has_value()) {
-      p.block_table = table_i->data_ptr<int32_t>();
-      p.block_table_stride = table_i->stride(0);
-      p.page_size = static_cast<int>(page_size);
-    }
-    if (rows_i.has_value()) p.cache_batch_idx = rows_i->data_ptr<int32_t>();
-    if (seqlens_i.has_value()) p.seqlens = seqlens_i->data_ptr<int32_t>();
-    if (leftpad_i.has_value()) p.leftpad = leftpad_i->data_ptr<int32_t>();
-    p.seqlen_new = static_cast<int>(seqlen_new);
-    p.capacity = capacity;
-    p.batch = static_cast<int>(batch);
-    p.seqlen_q = static_cast<int>(seqlen_q);
-    p.heads_q = static_cast<int>(heads_q);
-    p.heads_kv = static_cast<int>(k_cache.size(2));
-    p.head_dim = static_cast<int>(head_dim);
-    p.softmax_scale = static_cast<float>(options.softmax_scale);
-    p.scale_log2 = static_cast<float>(options.softmax_scale * M_LOG2E);
-    p.softcap = static_cast<float>(options.softcap);
-    if (options.alibi_slopes.has_value()) {
-      p.alibi_slopes = options.alibi_slopes->data_ptr<float>();
-      p.alibi_batch_stride = options.alibi_slopes->dim() == 2 ? options.alibi_slopes->stride(0) : 0;
-    }
-    p.window_left = static_cast<int>(options.window_left);
-    p.window_right = static_cast<int>(options.window_right);
-    const int rows = p.heads_q / p.heads_kv * p.seqlen_q;
-    const int rows_per_cta = decode::rows_per_cta(rows);
-    p.row_chunks = (rows + rows_per_cta - 1) / rows_per_cta;
-    p.num_splits = decode_splits(num_splits, int64_t{batch} * p.heads_kv * p.row_chunks, capacity,
-                                 device_info(q.device().index()).num_sms);
-    p.keys_per_split = std::max<int64_t>(32, ((capacity + p.num_splits - 1) / p.num_splits + 31) / 32 * 32);
-    at::Tensor out_partial, lse_partial;
-    if (p.num_splits > 1) {
-      out_partial = at::empty({p.num_splits, batch * seqlen_q * heads_q, head_dim}, q.options().dtype(at::kFloat));
-      lse_partial = at::empty({p.num_splits, batch * seqlen_q * heads_q}, q.options().dtype(at::kFloat));
-      p.out_partial = out_partial.data_ptr<float>();
-      p.lse_partial = lse_partial.data_ptr<float>();
-    }
-    p.out = out.data_ptr();
-    p.lse = lse.data_ptr<float>();
-    run_attention_decode(p, q.scalar_type() == at::kBFloat16, c10::cuda::getCurrentCUDAStream().stream());
-    return {out, lse};
+  if (batch > 0 && seqlen_q > 0 && decode_applies(k_cache, v_cache) &&
+      decode_takes(seqlen_q, heads_q / k_cache.size(2))) {
+    return run_decode(q_used, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                      seqlen_new, capacity, options, num_splits);
   }
 
+  const at::Tensor seqlens = seqlens_of(), rows = rows_of();
+  const at::Tensor leftpad = cache_leftpad.has_value() ? cache_leftpad->to(at::kLong) : at::zeros({batch}, longs);
   // Row p of the packed keys is key p - cu_seqlens_k[b] of the sequence b whose span holds p; rows past the
   // last sequence's end (the packed tensor is sized by the capacity, not by the lengths) read position 0.
   const at::Tensor lengths = seqlens + seqlen_new - leftpad;

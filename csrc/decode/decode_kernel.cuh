@@ -1,13 +1,14 @@
 // Split-KV decode: the attention of a few query rows against a long KV cache, a memory-bound problem.
 //
-// A CTA (4 warps) takes one (split of the keys, kv head, chunk of rows, sequence): its rows are the query
-// rows of all heads_q / heads_kv query heads that share the kv head (GQA packed), so each K / V byte is read
-// once per chunk rather than once per query head; the key splits give every SM work when batch x heads_kv
-// alone would not. Each warp walks tiles of 32 keys of its split: lane j computes the scores of key j for
-// every row (CUDA-core FMAs: with a handful of rows the tensor cores would idle), the rows' online softmax
-// runs across the warp, and P·V has lane l own head_dim / 32 columns, so each V row is one coalesced load.
-// The warps' states merge in shared memory; the CTA writes its split's normalised output and lse, or, with
-// one split, the final out and lse. attention_decode_combine_kernel merges the splits.
+// A CTA (4 warps) takes one (split of the keys, kv head, chunk of 16 rows, sequence). Its rows are the query
+// rows of all heads_q / heads_kv query heads that share the kv head (GQA packed into one mma M tile), so each
+// K / V byte is read once per chunk rather than once per query head; the key splits give every SM work when
+// batch x heads_kv alone would not. Each warp walks its own slices of 16 keys (warp w takes slices w, w + 4,
+// ...) through a private ring of shared-memory stages filled by cp.async, several slices ahead, and runs the
+// training forward's tile math on each (S = Q·Kᵀ and O += P·V on mma.sync, the online softmax in registers);
+// the warps synchronise only with themselves, so a slow copy holds back one warp, not the CTA. At the end the
+// warps' (O, lse) merge in shared memory and the CTA writes its split's normalised output and lse, or, with one
+// split, the final out and lse. attention_decode_combine_kernel merges the splits.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,23 +18,16 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/online_softmax.cuh"
+#include "../common/ptx.cuh"
+#include "../common/smem_rows.cuh"
+#include "../common/warp_gemm.cuh"
 #include "decode_params.h"
+#include "launch.h"
 
 namespace flash_ext::decode {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-template <typename Element>
-__device__ __forceinline__ float to_float(Element x) {
-  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
-    return __bfloat162float(x);
-  } else {
-    return __half2float(x);
-  }
-}
 
 template <typename Element>
 __device__ __forceinline__ Element from_float(float x) {
@@ -57,219 +51,246 @@ __device__ __forceinline__ int64_t cache_offset(const DecodeParams& p, int b, in
   return base + int64_t{head} * p.cache_head_stride;
 }
 
-template <typename Element, int kHeadDim, int kRows>
+// One warp's copy of keys [first, first + kWarpKeys) of K and V into a stage (rows at or past `end` are
+// zero-filled). Lane r < kWarpKeys finds row r's cache offset (through the block table when paged) once;
+// the lanes copying a row take it by shuffle. Consecutive lanes copy consecutive 16-byte chunks of a row.
+template <typename Element, int kHeadDim>
+__device__ __forceinline__ void load_slice(const DecodeParams& p, int b, int kv_head, int64_t key_begin,
+                                           int64_t first, int64_t end, uint32_t k_stage, uint32_t v_stage,
+                                           int lane) {
+  using Rows = SwizzledRows<kHeadDim>;
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kLanesPerRow = kChunks < 32 ? kChunks : 32;
+  constexpr int kRowsPerPass = 32 / kLanesPerRow;
+  const int64_t own_key = first + lane % kWarpKeys;
+  const int64_t own_offset = own_key < end ? cache_offset(p, b, key_begin + own_key, kv_head) : 0;
+  const Element* k_cache = static_cast<const Element*>(p.k_cache);
+  const Element* v_cache = static_cast<const Element*>(p.v_cache);
+#pragma unroll
+  for (int pass = 0; pass < kWarpKeys / kRowsPerPass; ++pass) {
+    const int row = pass * kRowsPerPass + lane / kLanesPerRow;
+    const int64_t offset = __shfl_sync(0xffffffff, own_offset, row);
+    const bool valid = first + row < end;
+#pragma unroll
+    for (int c = lane % kLanesPerRow; c < kChunks; c += kLanesPerRow) {
+      const uint32_t dst = Rows::offset(row, c * 8);
+      cp_async_16(k_stage + dst, k_cache + offset + c * 8, valid);
+      cp_async_16(v_stage + dst, v_cache + offset + c * 8, valid);
+    }
+  }
+}
+
+template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const DecodeParams p) {
-  constexpr int kCols = kHeadDim / 32;  // P·V columns per lane
-  __shared__ float q_s[kRows][kHeadDim];
-  __shared__ float o_s[kWarps][kRows][kHeadDim];  // each warp's rescaled P·V, summed in a fixed order
-  __shared__ float max_s[kWarps][kRows];
-  __shared__ float sum_s[kWarps][kRows];
+  using Rows = SwizzledRows<kHeadDim>;
+  constexpr int kStages = stages(kHeadDim);
+  constexpr int kSliceBytes = kWarpKeys * kHeadDim * 2;
+  constexpr int kQBytes = kRowsPerCta * kHeadDim * 2;
+  constexpr int kNTilesS = kWarpKeys / 8, kNTilesO = kHeadDim / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  // The combine kernel (a programmatic dependent) may launch now; it waits for this grid to finish.
+  allow_dependent_launch();
 
   const int split = blockIdx.x, b = blockIdx.z;
   const int kv_head = blockIdx.y / p.row_chunks, chunk = blockIdx.y % p.row_chunks;
   const int group = p.heads_q / p.heads_kv;
-  const int row0 = chunk * kRows;
-  const int rows = min(kRows, group * p.seqlen_q - row0);
+  const int row0 = chunk * kRowsPerCta;
+  const int rows = min(kRowsPerCta, group * p.seqlen_q - row0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // Row r is query i = (row0 + r) / group of head kv_head * group + (row0 + r) % group.
   auto query_of = [&](int r) { return (row0 + r) / group; };
   auto head_of = [&](int r) { return kv_head * group + (row0 + r) % group; };
 
+  // The Q tile, zero past `rows` (those rows' results are not written).
   const Element* q = static_cast<const Element*>(p.q);
-  for (int index = threadIdx.x; index < kRows * kHeadDim; index += kThreads) {
-    const int r = index / kHeadDim, c = index % kHeadDim;
-    float value = 0.f;
+  for (int index = threadIdx.x; index < kRowsPerCta * kHeadDim / 8; index += kThreads) {
+    const int r = index / (kHeadDim / 8), c = index % (kHeadDim / 8) * 8;
+    uint4 value = make_uint4(0, 0, 0, 0);
     if (r < rows) {
-      value = to_float(q[((int64_t{b} * p.seqlen_q + query_of(r)) * p.heads_q + head_of(r)) * kHeadDim + c]);
+      value = *reinterpret_cast<const uint4*>(
+          q + ((int64_t{b} * p.seqlen_q + query_of(r)) * p.heads_q + head_of(r)) * kHeadDim + c);
     }
-    q_s[r][c] = value;
+    *reinterpret_cast<uint4*>(smem + Rows::offset(r, c)) = value;
   }
-  __syncthreads();
 
+  // This CTA's keys, sequence-relative (key 0 is cache position leftpad[b]): its split, narrowed to the band
+  // of its rows' windows.
   const int64_t key_begin = p.leftpad != nullptr ? p.leftpad[b] : 0;
-  const int64_t key_end = (p.seqlens != nullptr ? int64_t{p.seqlens[b]} : p.capacity) + p.seqlen_new;
-  const int64_t len_k = key_end - key_begin;
-  const int64_t split_begin = int64_t{split} * p.keys_per_split;  // sequence-relative key indices
-  const int64_t split_end = len_k < split_begin + p.keys_per_split ? len_k : split_begin + p.keys_per_split;
+  const int64_t len_k = (p.seqlens != nullptr ? int64_t{p.seqlens[b]} : p.capacity) + p.seqlen_new - key_begin;
+  const int64_t to_diagonal = len_k - p.seqlen_q;  // query i's causal mask ends at key i + to_diagonal
+  int64_t lo = int64_t{split} * p.keys_per_split;
+  int64_t hi = len_k < lo + p.keys_per_split ? len_k : lo + p.keys_per_split;
+  if (p.window_left >= 0) lo = max(lo, query_of(0) + to_diagonal - p.window_left);
+  if (p.window_right >= 0) hi = min(hi, query_of(rows - 1) + to_diagonal + p.window_right + 1);
+  const int slices = hi > lo ? static_cast<int>((hi - lo + kWarpKeys - 1) / kWarpKeys) : 0;
+  const int own_slices = slices > warp ? (slices - warp + kWarps - 1) / kWarps : 0;
+  auto slice_first = [&](int i) { return lo + int64_t{i * kWarps + warp} * kWarpKeys; };
 
-  float slope[kRows];
-  int64_t diagonal[kRows];  // i + len_k - seqlen_q: the key each row's causal mask ends at
+  const uint32_t q_tile = smem_address(smem);
+  const uint32_t ring = q_tile + kQBytes + warp * kStages * 2 * kSliceBytes;
+  auto k_stage = [&](int i) { return ring + (i % kStages) * 2 * kSliceBytes; };
+  auto v_stage = [&](int i) { return k_stage(i) + kSliceBytes; };
+
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    diagonal[r] = r < rows ? query_of(r) + len_k - p.seqlen_q : 0;
-    slope[r] = (p.alibi_slopes != nullptr && r < rows) ? p.alibi_slopes[b * p.alibi_batch_stride + head_of(r)] : 0.f;
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < own_slices) load_slice<Element, kHeadDim>(p, b, kv_head, key_begin, slice_first(i), hi, k_stage(i), v_stage(i), lane);
+    cp_async_commit();
   }
 
-  float row_max[kRows], row_sum[kRows], acc[kRows][kCols];
+  // The rows this thread holds in the accumulator layout: lane / 4 and lane / 4 + 8.
+  int64_t diagonal[2];
+  float slope[2];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    row_max[r] = -INFINITY;
-    row_sum[r] = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.f;
+  for (int half = 0; half < 2; ++half) {
+    const int r = lane / 4 + 8 * half;
+    diagonal[half] = query_of(r) + to_diagonal;
+    slope[half] = (p.alibi_slopes != nullptr && r < rows) ? p.alibi_slopes[b * p.alibi_batch_stride + head_of(r)] : 0.f;
   }
+  // Plain scores stay unscaled (the softmax scale enters through exp2's FFMA); with softcap or ALiBi the
+  // modified scores are formed in natural-log units.
+  const bool modified = p.softcap > 0.f || p.alibi_slopes != nullptr;
+  const float scale_log2 = modified ? kLog2e : p.softmax_scale * kLog2e;
+  const float lse_scale = modified ? 1.f : p.softmax_scale;
 
-  const Element* k_cache = static_cast<const Element*>(p.k_cache);
-  const Element* v_cache = static_cast<const Element*>(p.v_cache);
-  for (int64_t tile = split_begin + 32 * warp; tile < split_end; tile += 32 * kWarps) {
-    const int64_t j = tile + lane;  // this lane's key, sequence-relative
-    const bool in_range = j < split_end;
-    const int64_t offset = in_range ? cache_offset(p, b, key_begin + j, kv_head) : 0;
+  float acc_o[1][kNTilesO][4];
+#pragma unroll
+  for (int nd = 0; nd < kNTilesO; ++nd)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
+  OnlineSoftmax<1> softmax;
+  __syncthreads();  // the Q tile
 
-    // Scores of key j for every row, in log2 units; -inf where masked.
-    float score[kRows];
+  const uint32_t q_lanes = a_lane_address<Rows>(q_tile, 0, 0);
+  for (int i = 0; i < own_slices; ++i) {
+    const int next = i + kStages - 1;  // into the stage slice i - 1 left
+    if (next < own_slices) {
+      load_slice<Element, kHeadDim>(p, b, kv_head, key_begin, slice_first(next), hi, k_stage(next), v_stage(next), lane);
+    }
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+
+    float acc_s[1][kNTilesS][4];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) score[r] = 0.f;
-    if (in_range) {
-      const uint4* k_row = reinterpret_cast<const uint4*>(k_cache + offset);
-#pragma unroll 4
-      for (int chunk8 = 0; chunk8 < kHeadDim / 8; ++chunk8) {
-        const uint4 packed = k_row[chunk8];
-        const Element* k8 = reinterpret_cast<const Element*>(&packed);
-        float kf[8];
+    for (int nj = 0; nj < kNTilesS; ++nj)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) kf[e] = to_float(k8[e]);
+      for (int e = 0; e < 4; ++e) acc_s[0][nj][e] = 0.f;
+    gemm_smem<Element, 1, kNTilesS, kHeadDim / 16, kRowsAreMN, Rows, kRowsAreMN, Rows>(
+        acc_s, q_lanes, b_rows_n_lane_address<Rows>(k_stage(i), 0, 0));
+
+    const int64_t first = slice_first(i);
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const float4 qa = *reinterpret_cast<const float4*>(&q_s[r][chunk8 * 8]);
-          const float4 qb = *reinterpret_cast<const float4*>(&q_s[r][chunk8 * 8 + 4]);
-          score[r] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4] + qb.y * kf[5] +
-                      qb.z * kf[6] + qb.w * kf[7];
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int nj = 0; nj < kNTilesS; ++nj) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t key = first + nj * 8 + 2 * (lane % 4) + e;
+          float& s = acc_s[0][nj][2 * half + e];
+          if (modified) {
+            s *= p.softmax_scale;
+            if (p.softcap > 0.f) s = p.softcap * tanhf(s / p.softcap);
+            s -= slope[half] * fabsf(static_cast<float>(diagonal[half] - key));
+          }
+          bool visible = key < hi;
+          if (p.window_left >= 0) visible = visible && key >= diagonal[half] - p.window_left;
+          if (p.window_right >= 0) visible = visible && key <= diagonal[half] + p.window_right;
+          if (!visible) s = -INFINITY;
         }
       }
     }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      bool visible = in_range && r < rows;
-      if (p.window_left >= 0) visible = visible && j >= diagonal[r] - p.window_left;
-      if (p.window_right >= 0) visible = visible && j <= diagonal[r] + p.window_right;
-      float s = score[r] * p.softmax_scale;
-      if (p.softcap > 0.f) s = p.softcap * tanhf(s / p.softcap);
-      s -= slope[r] * fabsf(static_cast<float>(diagonal[r] - j));
-      score[r] = visible ? s * kLog2e : -INFINITY;
-    }
-
-    // Online softmax across the warp's 32 keys, then P·V over them.
-    float prob[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float tile_max = score[r];
-#pragma unroll
-      for (int stride = 16; stride > 0; stride /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, stride));
-      const float new_max = fmaxf(row_max[r], tile_max);
-      const float base = new_max == -INFINITY ? 0.f : new_max;
-      const float rescale = exp2f(row_max[r] - base);  // 0 while the row was empty
-      prob[r] = exp2f(score[r] - base);
-      row_sum[r] = row_sum[r] * rescale + prob[r];
-      row_max[r] = new_max;
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[r][c] *= rescale;
-    }
-    const int keys = split_end - tile < 32 ? static_cast<int>(split_end - tile) : 32;
-    for (int t = 0; t < keys; ++t) {
-      const int64_t v_offset = __shfl_sync(0xffffffff, offset, t);
-      const Element* v_row = v_cache + v_offset + lane * kCols;
-      float vf[kCols];
-      if constexpr (kCols == 8) {
-        const uint4 packed = *reinterpret_cast<const uint4*>(v_row);
-        const Element* v8 = reinterpret_cast<const Element*>(&packed);
-#pragma unroll
-        for (int c = 0; c < 8; ++c) vf[c] = to_float(v8[c]);
-      } else if constexpr (kCols == 4) {
-        const uint2 packed = *reinterpret_cast<const uint2*>(v_row);
-        const Element* v4 = reinterpret_cast<const Element*>(&packed);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) vf[c] = to_float(v4[c]);
-      } else {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) vf[c] = to_float(v_row[c]);
-      }
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const float pt = __shfl_sync(0xffffffff, prob[r], t);
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) acc[r][c] += pt * vf[c];
-      }
-    }
+    softmax.template update<false>(acc_s, acc_o, scale_log2);
+    uint32_t p_frag[1][kNTilesS / 2][4];
+    accumulator_to_a_fragments<Element>(acc_s, p_frag);
+    gemm_rs_ab<Element, 1, kNTilesO, kNTilesS / 2, Rows>(acc_o, p_frag, b_rows_k_lane_address<Rows>(v_stage(i), 0, 0));
+    __syncwarp();  // every lane is done with slice i's stage before a copy refills it
   }
+  cp_async_wait<0>();
 
-  // Merge the warps: each warp's rows rescaled to the CTA's max, then summed in warp order (bitwise
-  // repeatable).
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    float sum = row_sum[r];
-#pragma unroll
-    for (int stride = 16; stride > 0; stride /= 2) sum += __shfl_xor_sync(0xffffffff, sum, stride);
-    if (lane == 0) {
-      max_s[warp][r] = row_max[r];
-      sum_s[warp][r] = sum;
-    }
-  }
+  float lse[2];
+  softmax.finalize(acc_o, lse_scale, lse);
+
+  // Merge the warps: each warp's normalised rows and lse through shared memory (the rings are free now),
+  // weighted by exp(lse_w - lse) and summed in warp order (bitwise repeatable).
   __syncthreads();
+  float* o_w = reinterpret_cast<float*>(smem + kQBytes);  // [warp][row][kHeadDim]
+  float* lse_w = o_w + kWarps * kRowsPerCta * kHeadDim;   // [warp][row]
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    float cta_max = -INFINITY;
+  for (int half = 0; half < 2; ++half) {
+    const int r = lane / 4 + 8 * half;
+    float* row = o_w + (warp * kRowsPerCta + r) * kHeadDim + 2 * (lane % 4);
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) cta_max = fmaxf(cta_max, max_s[w][r]);
-    const float base = cta_max == -INFINITY ? 0.f : cta_max;
-    const float factor = exp2f(row_max[r] - base);
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) o_s[warp][r][lane * kCols + c] = acc[r][c] * factor;
+    for (int nd = 0; nd < kNTilesO; ++nd) {
+      *reinterpret_cast<float2*>(row + nd * 8) = make_float2(acc_o[0][nd][2 * half], acc_o[0][nd][2 * half + 1]);
+    }
+    if (lane % 4 == 0) lse_w[warp * kRowsPerCta + r] = lse[half];
   }
   __syncthreads();
 
   const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
   for (int index = threadIdx.x; index < rows * kHeadDim; index += kThreads) {
     const int r = index / kHeadDim, c = index % kHeadDim;
-    float cta_max = -INFINITY, sum = 0.f;
+    float lse_max = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) cta_max = fmaxf(cta_max, max_s[w][r]);
-    const float base = cta_max == -INFINITY ? 0.f : cta_max;
+    for (int w = 0; w < kWarps; ++w) lse_max = fmaxf(lse_max, lse_w[w * kRowsPerCta + r]);
+    const float base = lse_max == -INFINITY ? 0.f : lse_max;
+    float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += sum_s[w][r] * exp2f(max_s[w][r] - base);
+    for (int w = 0; w < kWarps; ++w) sum += expf(lse_w[w * kRowsPerCta + r] - base);
     const bool empty = sum == 0.f;  // NaN (a NaN score) is not empty: it propagates
-    float weighted = 0.f;
+    const float row_lse = empty ? -INFINITY : base + logf(sum);
+    float value = 0.f;
+    if (!empty) {
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) weighted += o_s[w][r][c];
-    const float value = empty ? 0.f : weighted / sum;
-    const float lse = empty ? -INFINITY : (base + log2f(sum)) * kLn2;
+      for (int w = 0; w < kWarps; ++w) {
+        value += expf(lse_w[w * kRowsPerCta + r] - row_lse) * o_w[(w * kRowsPerCta + r) * kHeadDim + c];
+      }
+    }
     const int i = query_of(r), h = head_of(r);
     const int64_t row = (int64_t{b} * p.seqlen_q + i) * p.heads_q + h;  // out's row order
     if (p.num_splits == 1) {
       static_cast<Element*>(p.out)[row * kHeadDim + c] = from_float<Element>(value);
-      if (c == 0) p.lse[(int64_t{b} * p.heads_q + h) * p.seqlen_q + i] = lse;
+      if (c == 0) p.lse[(int64_t{b} * p.heads_q + h) * p.seqlen_q + i] = row_lse;
     } else {
       p.out_partial[(split * rows_all + row) * kHeadDim + c] = value;
-      if (c == 0) p.lse_partial[split * rows_all + row] = lse;
+      if (c == 0) p.lse_partial[split * rows_all + row] = row_lse;
     }
   }
 }
 
-// Merges the splits of each (sequence, query, head) row: a warp per row, lanes over the columns.
+// Merges the splits of each (sequence, query, head) row: a warp per row, lanes over the columns. Launched as
+// a programmatic dependent of the decode kernel: it starts early and waits for it to finish.
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(256) attention_decode_combine_kernel(const DecodeParams p) {
+  wait_for_prerequisite_grid();
   const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
   const int64_t row = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows_all) return;
   float lse_max = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) lse_max = fmaxf(lse_max, p.lse_partial[s * rows_all + row]);
+  for (int s = lane; s < p.num_splits; s += 32) lse_max = fmaxf(lse_max, p.lse_partial[s * rows_all + row]);
+#pragma unroll
+  for (int stride = 16; stride > 0; stride /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, stride));
   const float base = lse_max == -INFINITY ? 0.f : lse_max;
   float sum = 0.f;
-  for (int s = 0; s < p.num_splits; ++s) sum += expf(p.lse_partial[s * rows_all + row] - base);
+  for (int s = lane; s < p.num_splits; s += 32) sum += expf(p.lse_partial[s * rows_all + row] - base);
+#pragma unroll
+  for (int stride = 16; stride > 0; stride /= 2) sum += __shfl_xor_sync(0xffffffff, sum, stride);
   const bool empty = sum == 0.f;
   const float lse = empty ? -INFINITY : base + logf(sum);
-  for (int c = lane; c < kHeadDim; c += 32) {
-    float value = 0.f;
-    if (!empty) {
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float weight = expf(p.lse_partial[s * rows_all + row] - lse);
-        value += weight * p.out_partial[(s * rows_all + row) * kHeadDim + c];
-      }
+  constexpr int kCols = kHeadDim / 32;
+  float value[kCols] = {};
+  if (!empty) {
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float weight = expf(p.lse_partial[s * rows_all + row] - lse);
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) value[c] += weight * p.out_partial[(s * rows_all + row) * kHeadDim + c * 32 + lane];
     }
-    static_cast<Element*>(p.out)[row * kHeadDim + c] = from_float<Element>(value);
   }
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) static_cast<Element*>(p.out)[row * kHeadDim + c * 32 + lane] = from_float<Element>(value[c]);
   if (lane == 0) {
     const int64_t h = row % p.heads_q, i = (row / p.heads_q) % p.seqlen_q, b = row / (int64_t{p.heads_q} * p.seqlen_q);
     p.lse[(b * p.heads_q + h) * p.seqlen_q + i] = lse;

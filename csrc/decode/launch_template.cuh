@@ -11,19 +11,17 @@ namespace flash_ext::decode {
 template <Elem16 kElem, int kHeadDim>
 void run_attention_decode(const DecodeParams& params, cudaStream_t stream) {
   using Element = ElementOf<kElem>;
-  const int rows = params.heads_q / params.heads_kv * params.seqlen_q;
+  constexpr int kSmemBytes = smem_bytes(kHeadDim);
+  auto* kernel = &attention_decode_kernel<Element, kHeadDim>;
+  static_assert(resident_ctas_per_sm(kHeadDim) >= 1, "a decode CTA's shared memory fits an SM");
+  if (kSmemBytes > 48 * 1024) set_smem_limit(kernel, kSmemBytes, "the decode kernel");
   const dim3 grid(params.num_splits, params.heads_kv * params.row_chunks, params.batch);
-  if (rows_per_cta(rows) == 4) {
-    attention_decode_kernel<Element, kHeadDim, 4><<<grid, kThreads, 0, stream>>>(params);
-  } else {
-    attention_decode_kernel<Element, kHeadDim, 8><<<grid, kThreads, 0, stream>>>(params);
-  }
-  throw_on_cuda_error(cudaGetLastError(), "launching the decode kernel");
+  launch_kernel(kernel, grid, dim3(kThreads), kSmemBytes, stream, false, "launching the decode kernel", params);
   if (params.num_splits > 1) {
     const int64_t rows_all = int64_t{params.batch} * params.seqlen_q * params.heads_q;
-    attention_decode_combine_kernel<Element, kHeadDim>
-        <<<static_cast<unsigned>((rows_all + 7) / 8), 256, 0, stream>>>(params);
-    throw_on_cuda_error(cudaGetLastError(), "launching the decode combine kernel");
+    launch_kernel(&attention_decode_combine_kernel<Element, kHeadDim>,
+                  dim3(static_cast<unsigned>((rows_all + 7) / 8)), dim3(256), 0, stream, true,
+                  "launching the decode combine kernel", params);
   }
 }
 
