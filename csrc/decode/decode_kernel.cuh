@@ -103,17 +103,16 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   auto query_of = [&](int r) { return (row0 + r) / group; };
   auto head_of = [&](int r) { return kv_head * group + (row0 + r) % group; };
 
-  // The Q tile, zero past `rows` (those rows' results are not written).
+  // The Q tile (zero past `rows`, whose results are not written), copied as its own cp.async group ahead of
+  // the first K / V slices: waiting for it does not hold back their copies.
   const Element* q = static_cast<const Element*>(p.q);
   for (int index = threadIdx.x; index < kRowsPerCta * kHeadDim / 8; index += kThreads) {
     const int r = index / (kHeadDim / 8), c = index % (kHeadDim / 8) * 8;
-    uint4 value = make_uint4(0, 0, 0, 0);
-    if (r < rows) {
-      value = *reinterpret_cast<const uint4*>(
-          q + ((int64_t{b} * p.seqlen_q + query_of(r)) * p.heads_q + head_of(r)) * kHeadDim + c);
-    }
-    *reinterpret_cast<uint4*>(smem + Rows::offset(r, c)) = value;
+    const bool valid = r < rows;
+    const int64_t row = valid ? (int64_t{b} * p.seqlen_q + query_of(r)) * p.heads_q + head_of(r) : 0;
+    cp_async_16(smem_address(smem) + Rows::offset(r, c), q + row * kHeadDim + c, valid);
   }
+  cp_async_commit();
 
   // This CTA's keys, sequence-relative (key 0 is cache position leftpad[b]): its split, narrowed to the band
   // of its rows' windows.
@@ -160,7 +159,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
   OnlineSoftmax<1> softmax;
-  __syncthreads();  // the Q tile
+  cp_async_wait<kStages - 1>();  // the Q tile's group (the slices' groups may still be in flight)
+  __syncthreads();
 
   const uint32_t q_lanes = a_lane_address<Rows>(q_tile, 0, 0);
   for (int i = 0; i < own_slices; ++i) {
