@@ -1,10 +1,17 @@
 #!/usr/bin/env python3
-"""Plot a bench_attention.py JSON: one subplot per (op, head_dim, causal), TFLOP/s vs seqlen,
-one line per implementation.
+"""Plot a benchmark JSON.
+
+bench_attention.py's: one subplot per (op, head_dim, causal), TFLOP/s vs seqlen, one line per implementation.
+Rows of another case or dtype than dense/bf16 get their own subplots (named in the title).
+
+bench_decode.py's (recognised by its rows' kv_tb_per_s): one subplot per batch, KV TB/s vs KV length at one
+query token; flash_ext, SDPA cuDNN and FA4 on the contiguous cache (solid: CUDA-graph replay, dashed: eager),
+flash_ext on paged caches (graph replay; bench_decode.py --markdown's tables have the rest), and the device's
+read bandwidth (and 90% of it) as horizontal lines.
 
     python benchmarks/plot.py bench.json -o bench.png [--ops fwd,bwd] [--impls flash_ext,sdpa_cudnn]
-
-Rows of another case or dtype than dense/bf16 get their own subplots (named in the title).
+    python benchmarks/plot.py benchmarks/results/h200_decode.json -o benchmarks/results/h200_decode.png \
+        [--impls flash_ext,sdpa_cudnn,fa4,flash_ext_attention]
 """
 import argparse
 import json
@@ -20,7 +27,14 @@ IMPL_STYLE = {
     "sdpa_efficient": dict(color="tab:purple", marker="v", linewidth=1.4),
     "flash_ext_deterministic": dict(color="tab:orange", marker="o", linewidth=1.4, linestyle="--"),
     "flash_ext_sm80": dict(color="tab:brown", marker="o", linewidth=1.4, linestyle=":"),
+    "fa4": dict(color="black", marker="D", linewidth=1.4),
+    "flash_ext_attention": dict(color="tab:cyan", marker="v", linewidth=1.2),
 }
+DECODE_IMPLS = ("flash_ext", "sdpa_cudnn", "fa4", "flash_ext_attention")
+DECODE_DEFAULT_IMPLS = ("flash_ext", "sdpa_cudnn", "fa4")  # flash_ext_attention only when asked for
+DECODE_TITLES = {"flash_ext": "flash_ext", "sdpa_cudnn": "SDPA cuDNN", "fa4": "FA4",
+                 "flash_ext_attention": "flash_ext.attention"}
+PAGE_STYLE = {16: dict(color="darkred", marker="x"), 256: dict(color="lightcoral", marker="+")}
 
 
 def _seqlen_label(n):
@@ -103,19 +117,111 @@ def plot_rows(rows, path, meta=None, ops=None, impls=None):
     return len(panels)
 
 
+def is_decode(data):
+    """Whether data (a loaded JSON) is a bench_decode.py result."""
+    rows = data.get("rows") or []
+    return bool(rows) and "kv_tb_per_s" in rows[0]
+
+
+def plot_decode(data, path, impls=None):
+    """Write a PNG of a bench_decode.py result (a dict as in its JSON) to path: one subplot per batch, KV TB/s vs
+    KV length at seqlen_q 1. Returns the number of subplots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = list(impls) if impls else list(DECODE_DEFAULT_IMPLS)
+    default_q = data.get("seqlen_q", 1)
+    rows = [dict(r, page_size=r.get("page_size", 0), seqlen_q=r.get("seqlen_q", default_q)) for r in data["rows"]]
+    rows = [r for r in rows if r["seqlen_q"] == 1 and r["impl"] in impls]
+    if not rows:
+        raise ValueError("no decode rows to plot")
+    batches = sorted({r["batch"] for r in rows})
+    series = {}  # (impl, page, mode) -> batch -> [(kv_len, tb/s)]
+    for r in rows:
+        series.setdefault((r["impl"], r["page_size"], r["mode"]), {}).setdefault(r["batch"], []).append(
+            (r["kv_len"], r["kv_tb_per_s"]))
+    bw = data.get("read_bandwidth_tb_per_s")
+    top = max([r["kv_tb_per_s"] for r in rows] + ([bw] if bw else []))
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches) + 0.4, 4.2), squeeze=False)
+    handles = {}
+
+    def order(key):
+        impl, page, mode = key
+        return (DECODE_IMPLS.index(impl) if impl in DECODE_IMPLS else 99, page, mode != "graph")
+
+    for ax, batch in zip(axes[0], batches):
+        lens = set()
+        for key in sorted(series, key=order):
+            impl, page, mode = key
+            pts = sorted(series[key].get(batch, []))
+            if not pts or (page and (mode != "graph" or impl != "flash_ext")):
+                continue  # paged caches: flash_ext's graph replays only, to keep the plot readable
+            xs, ys = zip(*pts)
+            lens.update(xs)
+            title = DECODE_TITLES.get(impl, impl)
+            if page:
+                style = dict(PAGE_STYLE.get(page, dict(color="gray", marker=".")), linewidth=1.1, linestyle="-")
+                label = f"{title} page {page} (graph)"
+            else:
+                style = dict(IMPL_STYLE.get(impl, {}))
+                if mode == "eager":
+                    style.update(linestyle="--", linewidth=1.0, alpha=0.55)
+                label = f"{title} ({mode})"
+            (line,) = ax.plot(xs, ys, label=label, markersize=4, **style)
+            handles.setdefault(label, line)
+        if bw:
+            line = ax.axhline(bw, color="gray", linewidth=1.2)
+            handles.setdefault(f"read bandwidth {bw:.2f} TB/s", line)
+            line = ax.axhline(0.9 * bw, color="gray", linewidth=1.0, linestyle=":")
+            handles.setdefault("90% of it", line)
+        ax.set_title(f"batch {batch}", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ticks = sorted(lens)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([_seqlen_label(t) for t in ticks], fontsize=7)
+        ax.minorticks_off()
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_ylim(0, top * 1.08)
+        ax.grid(True, alpha=0.3)
+        ax.set_xlabel("KV length", fontsize=8)
+    axes[0][0].set_ylabel("KV TB/s", fontsize=8)
+    title = (f"decode, one query token: KV bytes / median time (bf16, hd{data.get('head_dim', 128)}, "
+             f"{data.get('heads_q', 32)} q / {data.get('heads_kv', 8)} kv heads)")
+    meta = "  ".join(f"{k} {data[k]}" for k in ("gpu", "torch", "cudnn", "fa4", "commit", "date")
+                     if data.get(k) is not None)
+    labels = list(handles)
+    ncol = min(len(labels), 5)
+    legend_rows = -(-len(labels) // ncol)
+    height = fig.get_figheight()
+    fig.suptitle(f"{title}\n{meta}", fontsize=9, y=1 - 0.08 / height, va="top")
+    fig.legend([handles[k] for k in labels], labels, loc="upper center", ncol=ncol, fontsize=7, frameon=False,
+               bbox_to_anchor=(0.5, 1 - 0.48 / height))
+    top_in = 0.48 + 0.2 * legend_rows + 0.35  # title, legend, the subplots' titles
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.55 / height, top=1 - top_in / height, wspace=0.18)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return len(batches)
+
+
 def plot_json(json_path, path, ops=None, impls=None):
     with open(json_path) as f:
         data = json.load(f)
+    if is_decode(data):
+        return plot_decode(data, path, impls=impls)
     meta = {k: v for k, v in data.items() if k != "rows"}
     return plot_rows(data["rows"], path, meta=meta, ops=ops, impls=impls)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("json", help="benchmark JSON written by bench_attention.py")
+    p.add_argument("json", help="benchmark JSON written by bench_attention.py or bench_decode.py")
     p.add_argument("-o", "--output", help="PNG path (default: the JSON path with .png)")
-    p.add_argument("--ops", help="comma list to keep (default all)")
-    p.add_argument("--impls", help="comma list to keep (default all)")
+    p.add_argument("--ops", help="comma list to keep (default all; bench_attention.py JSONs)")
+    p.add_argument("--impls", help="comma list to keep (default all; for a bench_decode.py JSON "
+                                   + ",".join(DECODE_DEFAULT_IMPLS) + ")")
     args = p.parse_args(argv)
     out = args.output or os.path.splitext(args.json)[0] + ".png"
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()] if s else None  # noqa: E731
