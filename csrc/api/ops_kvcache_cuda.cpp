@@ -65,12 +65,12 @@ bool decode_applies(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 // Whether the decode kernels take a call: few packed rows per kv head (decode, speculative decoding), so that
 // reading each K / V byte once per 16-row chunk beats a gather into the training kernels; those take prefill
 // against a cached prefix, where the arithmetic dominates.
-bool decode_takes(int64_t seqlen_q, int64_t group) { return seqlen_q * group <= 8 * decode::kRowsPerCta; }
+bool decode_takes(int64_t seqlen_q, int64_t group) { return seqlen_q * group <= 128; }
 
 // Key splits: every resident CTA slot of the device filled once (more would be a second partial wave), in
 // whole CTA rounds of keys; `requested` > 0 forces the number.
 std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_split, int64_t capacity,
-                                      int head_dim, int num_sms) {
+                                      int head_dim, int rows, int num_sms) {
   const auto keys_per = [](int64_t keys, int64_t parts) {
     const int64_t round = decode::kCtaKeys;
     return std::max<int64_t>(round, ((keys + parts - 1) / parts + round - 1) / round * round);
@@ -79,7 +79,7 @@ std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_sp
     const int64_t splits = std::min<int64_t>(requested, 1024);
     return {static_cast<int>(splits), keys_per(capacity, splits)};
   }
-  const int64_t slots = int64_t{num_sms} * decode::resident_ctas_per_sm(head_dim);
+  const int64_t slots = int64_t{num_sms} * decode::resident_ctas_per_sm(head_dim, decode::row_tiles(rows));
   const int64_t wanted = std::max<int64_t>(1, slots / std::max<int64_t>(ctas_without_split, 1));
   const int64_t keys = keys_per(capacity, std::min<int64_t>(wanted, 256));
   return {static_cast<int>((capacity + keys - 1) / keys), keys};
@@ -134,9 +134,9 @@ KvcacheResult run_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
   p.window_left = static_cast<int>(options.window_left);
   p.window_right = static_cast<int>(options.window_right);
   const int rows = p.heads_q / p.heads_kv * p.seqlen_q;
-  p.row_chunks = (rows + decode::kRowsPerCta - 1) / decode::kRowsPerCta;
+  p.row_chunks = (rows + decode::rows_per_cta(rows) - 1) / decode::rows_per_cta(rows);
   std::tie(p.num_splits, p.keys_per_split) =
-      decode_splits(num_splits, int64_t{batch} * p.heads_kv * p.row_chunks, capacity, p.head_dim,
+      decode_splits(num_splits, int64_t{batch} * p.heads_kv * p.row_chunks, capacity, p.head_dim, rows,
                     device_info(q.device().index()).num_sms);
   at::Tensor out_partial, lse_partial;
   if (p.num_splits > 1) {

@@ -1,14 +1,18 @@
 // Split-KV decode: the attention of a few query rows against a long KV cache, a memory-bound problem.
 //
-// A CTA (4 warps) takes one (split of the keys, kv head, chunk of 16 rows, sequence). Its rows are the query
-// rows of all heads_q / heads_kv query heads that share the kv head (GQA packed into one mma M tile), so each
-// K / V byte is read once per chunk rather than once per query head; the key splits give every SM work when
-// batch x heads_kv alone would not. Each warp walks its own slices of 16 keys (warp w takes slices w, w + 4,
-// ...) through a private ring of shared-memory stages filled by cp.async, several slices ahead, and runs the
-// training forward's tile math on each (S = Q·Kᵀ and O += P·V on mma.sync, the online softmax in registers);
-// the warps synchronise only with themselves, so a slow copy holds back one warp, not the CTA. At the end the
-// warps' (O, lse) merge in shared memory and the CTA writes its split's normalised output and lse, or, with one
-// split, the final out and lse. attention_decode_combine_kernel merges the splits.
+// A CTA (4 warps) takes one (split of the keys, kv head, chunk of rows, sequence). Its rows are the query rows
+// of all heads_q / heads_kv query heads that share the kv head (GQA packed into mma M tiles of 16 rows), so
+// each K / V byte is read once per chunk rather than once per query head; the key splits give every SM work
+// when batch x heads_kv alone would not. The keys are copied in slices of 16 by cp.async into a ring of
+// shared-memory stages, several slices ahead; the tile math is the training forward's (S = Q·Kᵀ and O += P·V
+// on mma.sync, the online softmax in registers). Two shapes (launch.h, row_tiles):
+//   - one row tile (decode): warp w copies and scores slices w, w + 4, ... on its own (it synchronises only
+//     with itself, so a slow copy holds back one warp, not the CTA); at the end the warps' (O, lse) merge in
+//     shared memory;
+//   - four row tiles (speculative decoding): each warp copies one slice of a 64-key stage and scores its own
+//     row tile against the whole stage (a CTA barrier per stage).
+// The CTA writes its split's normalised output and lse, or, with one split, the final out and lse;
+// attention_decode_combine_kernel merges the splits.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -80,13 +84,16 @@ __device__ __forceinline__ void load_slice(const DecodeParams& p, int b, int kv_
   }
 }
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, int kRowTiles>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const DecodeParams p) {
   using Rows = SwizzledRows<kHeadDim>;
+  constexpr bool kShared = kRowTiles > 1;  // the warps share each stage (row_tiles() in launch.h)
+  static_assert(kRowTiles == 1 || kRowTiles == kWarps, "one row tile, or one per warp");
   constexpr int kStages = stages(kHeadDim);
-  constexpr int kSliceBytes = kWarpKeys * kHeadDim * 2;
-  constexpr int kQBytes = kRowsPerCta * kHeadDim * 2;
-  constexpr int kNTilesS = kWarpKeys / 8, kNTilesO = kHeadDim / 8;
+  constexpr int kTileBytes = kCtaKeys * kHeadDim * 2;  // one stage's K (or V)
+  constexpr int kQBytes = 16 * kRowTiles * kHeadDim * 2;
+  constexpr int kKeys = kShared ? kCtaKeys : kWarpKeys;  // keys a warp scores per step
+  constexpr int kNTilesS = kKeys / 8, kNTilesO = kHeadDim / 8;
   extern __shared__ __align__(128) unsigned char smem[];
 
   // The combine kernel (a programmatic dependent) may launch now; it waits for this grid to finish.
@@ -95,9 +102,10 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   const int split = blockIdx.x, b = blockIdx.z;
   const int kv_head = blockIdx.y / p.row_chunks, chunk = blockIdx.y % p.row_chunks;
   const int group = p.heads_q / p.heads_kv;
-  const int row0 = chunk * kRowsPerCta;
-  const int rows = min(kRowsPerCta, group * p.seqlen_q - row0);
+  const int row0 = chunk * 16 * kRowTiles;
+  const int rows = min(16 * kRowTiles, group * p.seqlen_q - row0);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row_tile = kShared ? warp : 0;  // this warp's 16 rows of the CTA's
 
   // Row r is query i = (row0 + r) / group of head kv_head * group + (row0 + r) % group.
   auto query_of = [&](int r) { return (row0 + r) / group; };
@@ -106,7 +114,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   // The Q tile (zero past `rows`, whose results are not written), copied as its own cp.async group ahead of
   // the first K / V slices: waiting for it does not hold back their copies.
   const Element* q = static_cast<const Element*>(p.q);
-  for (int index = threadIdx.x; index < kRowsPerCta * kHeadDim / 8; index += kThreads) {
+  for (int index = threadIdx.x; index < 16 * kRowTiles * kHeadDim / 8; index += kThreads) {
     const int r = index / (kHeadDim / 8), c = index % (kHeadDim / 8) * 8;
     const bool valid = r < rows;
     const int64_t row = valid ? (int64_t{b} * p.seqlen_q + query_of(r)) * p.heads_q + head_of(r) : 0;
@@ -123,27 +131,35 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   int64_t hi = len_k < lo + p.keys_per_split ? len_k : lo + p.keys_per_split;
   if (p.window_left >= 0) lo = max(lo, query_of(0) + to_diagonal - p.window_left);
   if (p.window_right >= 0) hi = min(hi, query_of(rows - 1) + to_diagonal + p.window_right + 1);
+  // Slice s (keys lo + 16 s ...) is copied by warp s % kWarps into its rows of stage (s / kWarps) % kStages.
+  // Steps: a warp's own slices, or (shared) the CTA's stages of kWarps slices.
   const int slices = hi > lo ? static_cast<int>((hi - lo + kWarpKeys - 1) / kWarpKeys) : 0;
-  const int own_slices = slices > warp ? (slices - warp + kWarps - 1) / kWarps : 0;
-  auto slice_first = [&](int i) { return lo + int64_t{i * kWarps + warp} * kWarpKeys; };
+  const int steps = kShared ? (slices + kWarps - 1) / kWarps
+                            : (slices > warp ? (slices - warp + kWarps - 1) / kWarps : 0);
+  auto slice_first = [&](int step) { return lo + int64_t{step * kWarps + warp} * kWarpKeys; };
 
   const uint32_t q_tile = smem_address(smem);
-  const uint32_t ring = q_tile + kQBytes + warp * kStages * 2 * kSliceBytes;
-  auto k_stage = [&](int i) { return ring + (i % kStages) * 2 * kSliceBytes; };
-  auto v_stage = [&](int i) { return k_stage(i) + kSliceBytes; };
+  auto k_stage = [&](int step) { return q_tile + kQBytes + (step % kStages) * 2 * kTileBytes; };
+  auto v_stage = [&](int step) { return k_stage(step) + kTileBytes; };
+  auto own_rows = [&](uint32_t stage) { return stage + warp * kWarpKeys * Rows::kRowBytes; };
+  auto load = [&](int step) {
+    // A shared step's slices past `hi` are copied as zeros: every warp reads the whole stage.
+    load_slice<Element, kHeadDim>(p, b, kv_head, key_begin, slice_first(step), hi, own_rows(k_stage(step)),
+                                  own_rows(v_stage(step)), lane);
+  };
 
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < own_slices) load_slice<Element, kHeadDim>(p, b, kv_head, key_begin, slice_first(i), hi, k_stage(i), v_stage(i), lane);
+  for (int step = 0; step < kStages - 1; ++step) {
+    if (step < steps) load(step);
     cp_async_commit();
   }
 
-  // The rows this thread holds in the accumulator layout: lane / 4 and lane / 4 + 8.
+  // The rows this thread holds in the accumulator layout: lane / 4 and lane / 4 + 8 of its row tile.
   int64_t diagonal[2];
   float slope[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int r = lane / 4 + 8 * half;
+    const int r = 16 * row_tile + lane / 4 + 8 * half;
     diagonal[half] = query_of(r) + to_diagonal;
     slope[half] = (p.alibi_slopes != nullptr && r < rows) ? p.alibi_slopes[b * p.alibi_batch_stride + head_of(r)] : 0.f;
   }
@@ -162,25 +178,29 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   cp_async_wait<kStages - 1>();  // the Q tile's group (the slices' groups may still be in flight)
   __syncthreads();
 
-  const uint32_t q_lanes = a_lane_address<Rows>(q_tile, 0, 0);
-  for (int i = 0; i < own_slices; ++i) {
-    const int next = i + kStages - 1;  // into the stage slice i - 1 left
-    if (next < own_slices) {
-      load_slice<Element, kHeadDim>(p, b, kv_head, key_begin, slice_first(next), hi, k_stage(next), v_stage(next), lane);
+  const uint32_t q_lanes = a_lane_address<Rows>(q_tile, 16 * row_tile, 0);
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of `step`
+    // Every copy of `step` landed, and every reader of step - 1's stage, which the next copy refills, is done.
+    if constexpr (kShared) {
+      __syncthreads();
+    } else {
+      __syncwarp();
     }
+    if (step + kStages - 1 < steps) load(step + kStages - 1);
     cp_async_commit();
-    cp_async_wait<kStages - 1>();
-    __syncwarp();
 
+    const uint32_t k_tile = kShared ? k_stage(step) : own_rows(k_stage(step));
+    const uint32_t v_tile = kShared ? v_stage(step) : own_rows(v_stage(step));
     float acc_s[1][kNTilesS][4];
 #pragma unroll
     for (int nj = 0; nj < kNTilesS; ++nj)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_s[0][nj][e] = 0.f;
     gemm_smem<Element, 1, kNTilesS, kHeadDim / 16, kRowsAreMN, Rows, kRowsAreMN, Rows>(
-        acc_s, q_lanes, b_rows_n_lane_address<Rows>(k_stage(i), 0, 0));
+        acc_s, q_lanes, b_rows_n_lane_address<Rows>(k_tile, 0, 0));
 
-    const int64_t first = slice_first(i);
+    const int64_t first = kShared ? lo + int64_t{step} * kCtaKeys : slice_first(step);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -204,48 +224,50 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     softmax.template update<false>(acc_s, acc_o, scale_log2);
     uint32_t p_frag[1][kNTilesS / 2][4];
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
-    gemm_rs_ab<Element, 1, kNTilesO, kNTilesS / 2, Rows>(acc_o, p_frag, b_rows_k_lane_address<Rows>(v_stage(i), 0, 0));
-    __syncwarp();  // every lane is done with slice i's stage before a copy refills it
+    gemm_rs_ab<Element, 1, kNTilesO, kNTilesS / 2, Rows>(acc_o, p_frag, b_rows_k_lane_address<Rows>(v_tile, 0, 0));
   }
   cp_async_wait<0>();
 
   float lse[2];
   softmax.finalize(acc_o, lse_scale, lse);
 
-  // Merge the warps: each warp's normalised rows and lse through shared memory (the rings are free now),
-  // weighted by exp(lse_w - lse) and summed in warp order (bitwise repeatable).
+  // Each warp's normalised rows and lse through shared memory (the ring is free once every warp is past it).
   __syncthreads();
   float* o_w = reinterpret_cast<float*>(smem + kQBytes);  // [warp][row][kHeadDim]
-  float* lse_w = o_w + kWarps * kRowsPerCta * kHeadDim;   // [warp][row]
+  float* lse_w = o_w + kWarps * 16 * kHeadDim;            // [warp][row]
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = lane / 4 + 8 * half;
-    float* row = o_w + (warp * kRowsPerCta + r) * kHeadDim + 2 * (lane % 4);
+    float* row = o_w + (warp * 16 + r) * kHeadDim + 2 * (lane % 4);
 #pragma unroll
     for (int nd = 0; nd < kNTilesO; ++nd) {
       *reinterpret_cast<float2*>(row + nd * 8) = make_float2(acc_o[0][nd][2 * half], acc_o[0][nd][2 * half + 1]);
     }
-    if (lane % 4 == 0) lse_w[warp * kRowsPerCta + r] = lse[half];
+    if (lane % 4 == 0) lse_w[warp * 16 + r] = lse[half];
   }
   __syncthreads();
 
   const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
   for (int index = threadIdx.x; index < rows * kHeadDim; index += kThreads) {
     const int r = index / kHeadDim, c = index % kHeadDim;
-    float lse_max = -INFINITY;
+    float value, row_lse;
+    if constexpr (kShared) {  // row r is warp r / 16's alone
+      value = o_w[r * kHeadDim + c];
+      row_lse = lse_w[r];
+    } else {  // the warps' parts of row r, weighted by exp(lse_w - lse), summed in warp order (bitwise repeatable)
+      float lse_max = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) lse_max = fmaxf(lse_max, lse_w[w * kRowsPerCta + r]);
-    const float base = lse_max == -INFINITY ? 0.f : lse_max;
-    float sum = 0.f;
+      for (int w = 0; w < kWarps; ++w) lse_max = fmaxf(lse_max, lse_w[w * 16 + r]);
+      const float base = lse_max == -INFINITY ? 0.f : lse_max;
+      float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += expf(lse_w[w * kRowsPerCta + r] - base);
-    const bool empty = sum == 0.f;  // NaN (a NaN score) is not empty: it propagates
-    const float row_lse = empty ? -INFINITY : base + logf(sum);
-    float value = 0.f;
-    if (!empty) {
+      for (int w = 0; w < kWarps; ++w) sum += expf(lse_w[w * 16 + r] - base);
+      const bool empty = sum == 0.f;  // NaN (a NaN score) is not empty: it propagates
+      row_lse = empty ? -INFINITY : base + logf(sum);
+      value = 0.f;
+      if (!empty) {
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        value += expf(lse_w[w * kRowsPerCta + r] - row_lse) * o_w[(w * kRowsPerCta + r) * kHeadDim + c];
+        for (int w = 0; w < kWarps; ++w) value += expf(lse_w[w * 16 + r] - row_lse) * o_w[(w * 16 + r) * kHeadDim + c];
       }
     }
     const int i = query_of(r), h = head_of(r);

@@ -12,24 +12,31 @@ namespace flash_ext::decode {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-// Packed (query, head of the group) rows of one kv head per CTA: one mma.sync M tile.
-constexpr int kRowsPerCta = 16;
-// Keys one warp takes per pipeline stage (one P·V k-step).
+// Keys one warp copies per pipeline stage (one P·V k-step); a stage holds kCtaKeys keys, kWarpKeys per warp.
 constexpr int kWarpKeys = 16;
-// Keys a CTA takes per round of its warps; splits are multiples of it.
 constexpr int kCtaKeys = kWarps * kWarpKeys;
 
-// Stages of each warp's K/V ring: three slices in flight per warp at head_dim 64 (2 KB each of K and V),
-// two at 128 / 256 (4 / 8 KB), so the SM holds 64-128 KB of copies in flight.
-constexpr int stages(int head_dim) { return head_dim <= 64 ? 4 : 3; }
-// Dynamic shared memory: the Q tile, then each warp's ring of K and V slices (reused for the warps' merge).
-constexpr int smem_bytes(int head_dim) {
-  const int ring = kWarps * stages(head_dim) * 2 * kWarpKeys * head_dim * 2;
-  const int merge = kWarps * kRowsPerCta * (head_dim + 1) * 4;
-  return kRowsPerCta * head_dim * 2 + (ring > merge ? ring : merge);
+// Row tiles (16 packed (query, head of the group) rows of one kv head, one mma M tile) per CTA: one for decode,
+// where the 4 warps take different keys of it and merge at the end; kWarps for more rows (speculative
+// decoding), where warp w takes tile w over every key and the warps share each stage's K / V, so a byte is
+// copied once per 64 rows rather than once per 16.
+constexpr int row_tiles(int rows) { return rows <= 16 ? 1 : kWarps; }
+constexpr int rows_per_cta(int rows) { return 16 * row_tiles(rows); }
+
+// Stages of the K / V ring: three slices in flight per warp at head_dim 64 (2 KB each of K and V), two at 128
+// (4 KB), one at 256 (8 KB; with more, a CTA would not fit an A100's 163 KB), so an H100 / H200 SM holds
+// 64-128 KB of copies in flight.
+constexpr int stages(int head_dim) { return head_dim <= 64 ? 4 : head_dim <= 128 ? 3 : 2; }
+// Dynamic shared memory: the Q tile, then the ring (reused for the warps' merge).
+constexpr int smem_bytes(int head_dim, int row_tiles) {
+  const int ring = stages(head_dim) * 2 * kCtaKeys * head_dim * 2;
+  const int merge = kWarps * 16 * (head_dim + 1) * 4;
+  return 16 * row_tiles * head_dim * 2 + (ring > merge ? ring : merge);
 }
-// CTAs one SM holds (227 KB of shared memory, 1 KB reserved per CTA).
-constexpr int resident_ctas_per_sm(int head_dim) { return 227 * 1024 / (smem_bytes(head_dim) + 1024); }
+// CTAs one sm90 SM holds (227 KB of shared memory, 1 KB reserved per CTA).
+constexpr int resident_ctas_per_sm(int head_dim, int row_tiles) {
+  return 227 * 1024 / (smem_bytes(head_dim, row_tiles) + 1024);
+}
 
 // Writes params.out and params.lse (through out_partial / lse_partial when num_splits > 1).
 template <Elem16 kElem, int kHeadDim>
