@@ -76,7 +76,7 @@ std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_sp
     return std::max<int64_t>(round, ((keys + parts - 1) / parts + round - 1) / round * round);
   };
   if (requested > 0) {
-    const int64_t splits = std::min<int64_t>(requested, 1024);
+    const int64_t splits = std::min<int64_t>(requested, decode::kMaxSplits);
     return {static_cast<int>(splits), keys_per(capacity, splits)};
   }
   const int64_t slots = int64_t{num_sms} * decode::resident_ctas_per_sm(head_dim, decode::row_tiles(rows));

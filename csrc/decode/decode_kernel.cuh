@@ -282,40 +282,49 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   }
 }
 
-// Merges the splits of each (sequence, query, head) row: a warp per row, lanes over the columns. Launched as
-// a programmatic dependent of the decode kernel: it starts early and waits for it to finish.
+// Merges the splits of one (sequence, query, head) row per CTA: the splits' lse into shared memory, their
+// weights exp(lse_s - lse) formed once by warp 0, then each thread sums its columns over the splits in split
+// order (bitwise repeatable), several loads in flight. Launched as a programmatic dependent of the decode
+// kernel: it starts early and waits for it to finish.
+constexpr int kCombineThreads = 128;
+
 template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(256) attention_decode_combine_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kCombineThreads) attention_decode_combine_kernel(const DecodeParams p) {
+  __shared__ float weight_s[kMaxSplits];
+  __shared__ float lse_s;
   wait_for_prerequisite_grid();
   const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
-  const int64_t row = int64_t{blockIdx.x} * 8 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows_all) return;
-  float lse_max = -INFINITY;
-  for (int s = lane; s < p.num_splits; s += 32) lse_max = fmaxf(lse_max, p.lse_partial[s * rows_all + row]);
+  const int64_t row = blockIdx.x;
+  for (int s = threadIdx.x; s < p.num_splits; s += kCombineThreads) weight_s[s] = p.lse_partial[s * rows_all + row];
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float lse_max = -INFINITY;
+    for (int s = lane; s < p.num_splits; s += 32) lse_max = fmaxf(lse_max, weight_s[s]);
 #pragma unroll
-  for (int stride = 16; stride > 0; stride /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, stride));
-  const float base = lse_max == -INFINITY ? 0.f : lse_max;
-  float sum = 0.f;
-  for (int s = lane; s < p.num_splits; s += 32) sum += expf(p.lse_partial[s * rows_all + row] - base);
+    for (int stride = 16; stride > 0; stride /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, stride));
+    const float base = lse_max == -INFINITY ? 0.f : lse_max;
+    float sum = 0.f;
+    for (int s = lane; s < p.num_splits; s += 32) sum += expf(weight_s[s] - base);
 #pragma unroll
-  for (int stride = 16; stride > 0; stride /= 2) sum += __shfl_xor_sync(0xffffffff, sum, stride);
-  const bool empty = sum == 0.f;
-  const float lse = empty ? -INFINITY : base + logf(sum);
-  constexpr int kCols = kHeadDim / 32;
-  float value[kCols] = {};
-  if (!empty) {
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float weight = expf(p.lse_partial[s * rows_all + row] - lse);
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) value[c] += weight * p.out_partial[(s * rows_all + row) * kHeadDim + c * 32 + lane];
-    }
+    for (int stride = 16; stride > 0; stride /= 2) sum += __shfl_xor_sync(0xffffffff, sum, stride);
+    const bool empty = sum == 0.f;  // NaN (a NaN score) is not empty: it propagates
+    const float lse = empty ? -INFINITY : base + logf(sum);
+    __syncwarp();
+    for (int s = lane; s < p.num_splits; s += 32) weight_s[s] = empty ? 0.f : expf(weight_s[s] - lse);
+    if (lane == 0) lse_s = lse;
   }
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) static_cast<Element*>(p.out)[row * kHeadDim + c * 32 + lane] = from_float<Element>(value[c]);
-  if (lane == 0) {
+  __syncthreads();
+  for (int c = threadIdx.x; c < kHeadDim; c += kCombineThreads) {
+    const float* partial = p.out_partial + row * kHeadDim + c;
+    float value = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < p.num_splits; ++s) value += weight_s[s] * partial[s * rows_all * kHeadDim];
+    static_cast<Element*>(p.out)[row * kHeadDim + c] = from_float<Element>(value);
+  }
+  if (threadIdx.x == 0) {
     const int64_t h = row % p.heads_q, i = (row / p.heads_q) % p.seqlen_q, b = row / (int64_t{p.heads_q} * p.seqlen_q);
-    p.lse[(b * p.heads_q + h) * p.seqlen_q + i] = lse;
+    p.lse[(b * p.heads_q + h) * p.seqlen_q + i] = lse_s;
   }
 }
 

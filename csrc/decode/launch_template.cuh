@@ -29,9 +29,8 @@ void run_attention_decode(const DecodeParams& params, cudaStream_t stream) {
   }
   if (params.num_splits > 1) {
     const int64_t rows_all = int64_t{params.batch} * params.seqlen_q * params.heads_q;
-    launch_kernel(&attention_decode_combine_kernel<Element, kHeadDim>,
-                  dim3(static_cast<unsigned>((rows_all + 7) / 8)), dim3(256), 0, stream, true,
-                  "launching the decode combine kernel", params);
+    launch_kernel(&attention_decode_combine_kernel<Element, kHeadDim>, dim3(static_cast<unsigned>(rows_all)),
+                  dim3(kCombineThreads), 0, stream, true, "launching the decode combine kernel", params);
   }
 }
 
