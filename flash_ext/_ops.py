@@ -99,6 +99,10 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     torch._check(q.shape[0] <= _INT32_MAX and k.shape[0] <= _INT32_MAX,
                  lambda: f"flash_ext: total_q and total_k must fit in int32 (cu_seqlens are int32), got {q.shape[0]} "
                          f"and {k.shape[0]}")
+    return _check_varlen_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _check_varlen_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     batch = _varlen_batch(cu_seqlens_q)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         torch._check(cu.dtype == torch.int32, lambda: f"flash_ext: {name} must be int32, got {_dtype(cu.dtype)}")
@@ -111,6 +115,20 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         torch._check(0 <= value <= _INT32_MAX, lambda: f"flash_ext: {name} must be in 0..2^31-1, got {value}")
     return batch
+
+
+def _check_block_table(block_table, batch, q, pool, pool_name):
+    """check_block_table of csrc/api/checks.cpp."""
+    torch._check(block_table.dtype == torch.int32,
+                 lambda: f"flash_ext: block_table must be int32, got {_dtype(block_table.dtype)}")
+    torch._check(block_table.dim() == 2 and block_table.shape[0] == batch,
+                 lambda: f"flash_ext: block_table must have shape (batch, max_blocks) with batch = {batch}, got "
+                         f"{_sizes(block_table.shape)}")
+    torch._check(block_table.device == q.device,
+                 lambda: f"flash_ext: block_table is on {block_table.device} but q is on {q.device}")
+    torch._check(pool.shape[1] >= 1,
+                 lambda: f"flash_ext: with block_table, {pool_name}.size(1) is the page size and must be >= 1, got "
+                         f"{pool.shape[1]}")
 
 
 def _check_softmax_scale(softmax_scale):
@@ -269,16 +287,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
                          f"(k_cache.size(2) = {heads_kv})")
     capacity = k_cache.shape[1]
     if block_table is not None:
-        torch._check(block_table.dtype == torch.int32,
-                     lambda: f"flash_ext: block_table must be int32, got {_dtype(block_table.dtype)}")
-        torch._check(block_table.dim() == 2 and block_table.shape[0] == batch,
-                     lambda: f"flash_ext: block_table must have shape (batch, max_blocks) with batch = {batch}, got "
-                             f"{_sizes(block_table.shape)}")
-        torch._check(block_table.device == q.device,
-                     lambda: f"flash_ext: block_table is on {block_table.device} but q is on {q.device}")
-        torch._check(k_cache.shape[1] >= 1,
-                     lambda: "flash_ext: with block_table, k_cache.size(1) is the page size and must be >= 1, got "
-                             f"{k_cache.shape[1]}")
+        _check_block_table(block_table, batch, q, k_cache, "k_cache")
         torch._check(cache_batch_idx is None,
                      lambda: "flash_ext: cache_batch_idx cannot be used with block_table (the block table already "
                              "picks each sequence's pages)")

@@ -139,6 +139,28 @@ void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
                   max_seqlen_k);
 }
 
+void check_block_table(const at::Tensor& block_table, int64_t batch, const at::Tensor& q, const at::Tensor& pool,
+                       const char* pool_name) {
+  FLASH_EXT_CHECK(block_table.scalar_type() == at::kInt, "flash_ext: block_table must be int32, got ",
+                  block_table.scalar_type());
+  FLASH_EXT_CHECK(block_table.dim() == 2 && block_table.size(0) == batch,
+                  "flash_ext: block_table must have shape (batch, max_blocks) with batch = ", batch, ", got ",
+                  block_table.sizes());
+  FLASH_EXT_CHECK(block_table.device() == q.device(), "flash_ext: block_table is on ", block_table.device(),
+                  " but q is on ", q.device());
+  FLASH_EXT_CHECK(pool.size(1) >= 1, "flash_ext: with block_table, ", pool_name,
+                  ".size(1) is the page size and must be >= 1, got ", pool.size(1));
+}
+
+void check_int32_per_sequence(const std::optional<at::Tensor>& t, const char* name, int64_t batch,
+                              const at::Tensor& q) {
+  if (!t.has_value()) return;
+  FLASH_EXT_CHECK(t->scalar_type() == at::kInt, "flash_ext: ", name, " must be int32, got ", t->scalar_type());
+  FLASH_EXT_CHECK(t->dim() == 1 && t->size(0) == batch, "flash_ext: ", name, " must have shape (batch,) = (", batch,
+                  ",), got ", t->sizes());
+  FLASH_EXT_CHECK(t->device() == q.device(), "flash_ext: ", name, " is on ", t->device(), " but q is on ", q.device());
+}
+
 // The value checks, for cu_seqlens in host memory (see check_cu_seqlens_values).
 void check_varlen_values_on_host(const at::Tensor& q, const at::Tensor& k, const VarlenArgs& varlen) {
   check_cu_seqlens_values(*varlen.cu_seqlens_q, "cu_seqlens_q", q.size(0), "total_q (q.size(0))", varlen.max_seqlen_q,

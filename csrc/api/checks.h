@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "options.h"
 
@@ -17,6 +18,16 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 // int32 (batch + 1) on q's device, max_seqlen_* in int32 range.
 void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
                          const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k);
+
+// A block table: int32 (batch, max_blocks) on q's device, over `pool` (named pool_name in the messages), a page
+// pool (num_blocks, page_size, heads_kv, head_dim) whose page_size must be >= 1. The dimensions of the pool
+// are the caller's check.
+void check_block_table(const at::Tensor& block_table, int64_t batch, const at::Tensor& q, const at::Tensor& pool,
+                       const char* pool_name);
+
+// An optional per-sequence index tensor (cache_seqlens, seqused_k, ...): int32 (batch,) on q's device.
+void check_int32_per_sequence(const std::optional<at::Tensor>& t, const char* name, int64_t batch,
+                              const at::Tensor& q);
 
 // The number of sequences of a variable-length call, from cu_seqlens_q's size.
 int64_t varlen_batch(const at::Tensor& cu_seqlens_q);

@@ -3,20 +3,14 @@
 // in-place append by torch ops with device index tensors, then the split-KV decode kernels (csrc/decode/),
 // which read the keys through the block table or the cache rows in place. Head dims without a decode kernel,
 // and caches it cannot read (strides or base not 16-byte aligned), take a gather of each sequence's keys
-// [cache_leftpad[b], cache_seqlens[b] + seqlen_new) into a packed batch and the varlen forward instead. The
-// index values are the caller's contract here (an out-of-range one is a device-side error), as cu_seqlens are.
+// [cache_leftpad[b], cache_seqlens[b] + seqlen_new) into a packed batch (packed_keys.h) and the varlen forward
+// instead. The index values are the caller's contract here (an out-of-range one is a device-side error), as
+// cu_seqlens are.
 #include <ATen/TensorIndexing.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/clamp.h>
-#include <ATen/ops/cumsum.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/floor_divide.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/remainder.h>
-#include <ATen/ops/searchsorted.h>
-#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -31,20 +25,11 @@
 #include "../host/device_info.h"
 #include "kvcache_common.h"
 #include "ops.h"
+#include "packed_keys.h"
 #include "params_from_tensors.h"
 
 namespace flash_ext {
 namespace {
-
-// Where positions `pos` of sequences `seq` (long tensors of one shape) live in the caches: (block, slot) of a
-// paged cache, (row, position) of a dense one.
-std::pair<at::Tensor, at::Tensor> locate(const at::Tensor& seq, const at::Tensor& pos, const at::Tensor& rows,
-                                         const at::Tensor& table, int64_t page_size) {
-  if (table.defined()) {
-    return {table.index({seq, at::floor_divide(pos, page_size)}), at::remainder(pos, page_size)};
-  }
-  return {rows.index({seq}), pos};
-}
 
 // Whether the decode kernels can read the caches in place: 16-byte aligned bases and strides, the same strides
 // for k_cache and v_cache, the head dim one they are built for.
@@ -96,6 +81,7 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
   const at::Tensor rows = paged                        ? at::Tensor()
                           : cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong)
                                                         : at::arange(batch, longs);
+  const KeyStorage storage{table, rows, page_size};
   const at::Tensor sequence_of_row = at::arange(batch, longs).unsqueeze(1);  // (batch, 1)
 
   // Rotary positions: the new keys at cache_seqlens[b] + i; the queries at cache_seqlens[b] + i when causal or
@@ -113,7 +99,7 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
     k_new = rotate(k_new, *rotary_cos, *rotary_sin, new_positions, rotary_interleaved);
   }
   if (seqlen_new > 0 && batch > 0) {
-    const auto [first, second] = locate(sequence_of_row.expand_as(new_positions), new_positions, rows, table, page_size);
+    const auto [first, second] = locate(storage, sequence_of_row.expand_as(new_positions), new_positions);
     k_cache.index_put_({first, second}, k_new);
     v_cache.index_put_({first, second}, v_new);
   }
@@ -177,26 +163,15 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
     return {out, lse};
   }
 
-  // Row p of the packed keys is key p - cu_seqlens_k[b] of the sequence b whose span holds p; rows past the
-  // last sequence's end (the packed tensor is sized by the capacity, not by the lengths) read position 0.
-  const at::Tensor lengths = seqlens + seqlen_new - leftpad;
-  const at::Tensor cu_seqlens_k = at::cat({at::zeros({1}, longs), at::cumsum(lengths, 0)});
-  const at::Tensor packed = at::arange(batch * capacity, longs);
-  const at::Tensor sequence =
-      at::clamp(at::searchsorted(cu_seqlens_k.narrow(0, 1, batch), packed, /*out_int32=*/false, /*right=*/true), 0,
-                batch > 0 ? batch - 1 : 0);
-  const at::Tensor valid = packed < cu_seqlens_k.narrow(0, batch, 1);
-  const at::Tensor position = at::where(valid, leftpad.index({sequence}) + packed - cu_seqlens_k.index({sequence}), 0);
-  auto [first, second] = locate(sequence, position, rows, table, page_size);
-  first = at::where(valid, first, 0);
-  second = at::where(valid, second, 0);
-  const at::Tensor k_packed = k_cache.index({first, second}), v_packed = v_cache.index({first, second});
-
-  const VarlenArgs varlen{(at::arange(batch + 1, longs) * seqlen_q).to(at::kInt), cu_seqlens_k.to(at::kInt),
-                          seqlen_q, capacity};
+  // Each sequence's keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) packed, in batch * capacity rows (the
+  // lengths are on the device).
+  const PackedKeys packed =
+      pack_keys(k_cache, v_cache, storage, leftpad, seqlens + seqlen_new - leftpad, batch * capacity);
+  const VarlenArgs varlen{(at::arange(batch + 1, longs) * seqlen_q).to(at::kInt), packed.cu_seqlens_k, seqlen_q,
+                          capacity};
   // num_splits: how a decode kernel would split the keys; the varlen kernels' result does not depend on it.
   auto [out, lse, rng_state] =
-      attention_fwd_cuda(q_used.reshape({batch * seqlen_q, heads_q, head_dim}), k_packed, v_packed, options, varlen);
+      attention_fwd_cuda(q_used.reshape({batch * seqlen_q, heads_q, head_dim}), packed.k, packed.v, options, varlen);
   (void)rng_state;
   return {out.view({batch, seqlen_q, heads_q, head_dim}),
           lse.view({heads_q, batch, seqlen_q}).permute({1, 0, 2}).contiguous()};

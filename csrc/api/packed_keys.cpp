@@ -1,0 +1,58 @@
+#include "packed_keys.h"
+
+#include <ATen/TensorIndexing.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/cumsum.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/logical_not.h>
+#include <ATen/ops/remainder.h>
+#include <ATen/ops/searchsorted.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+
+namespace flash_ext {
+
+std::pair<at::Tensor, at::Tensor> locate(const KeyStorage& storage, const at::Tensor& seq, const at::Tensor& pos) {
+  if (storage.block_table.defined()) {
+    return {storage.block_table.index({seq, at::floor_divide(pos, storage.page_size)}),
+            at::remainder(pos, storage.page_size)};
+  }
+  return {storage.rows.index({seq}), pos};
+}
+
+PackedKeys pack_keys(const at::Tensor& k_storage, const at::Tensor& v_storage, const KeyStorage& storage,
+                     const at::Tensor& start, const at::Tensor& length, int64_t rows) {
+  const int64_t batch = length.size(0);
+  const auto longs = length.options().dtype(at::kLong);
+  const at::Tensor cu_seqlens_k = at::cat({at::zeros({1}, longs), at::cumsum(length, 0)});
+  // An empty storage holds no key to read (a sequence that claims some is the caller's error).
+  if (batch == 0 || k_storage.size(0) == 0 || k_storage.size(1) == 0) rows = 0;
+  if (rows == 0) {
+    const auto empty = [&](const at::Tensor& s) { return at::empty({0, s.size(-2), s.size(-1)}, s.options()); };
+    return {empty(k_storage), empty(v_storage), cu_seqlens_k.to(at::kInt)};
+  }
+  // Row p is key p - cu_seqlens_k[b] of the sequence b whose span holds p; rows past the last sequence's end
+  // read storage[0][0] (a valid address whatever the index values), then are zeroed.
+  const at::Tensor packed = at::arange(rows, longs);
+  const at::Tensor sequence =
+      at::clamp(at::searchsorted(cu_seqlens_k.narrow(0, 1, batch), packed, /*out_int32=*/false, /*right=*/true), 0,
+                batch - 1);
+  const at::Tensor valid = packed < cu_seqlens_k.narrow(0, batch, 1);
+  const at::Tensor position = at::where(valid, start.index({sequence}) + packed - cu_seqlens_k.index({sequence}), 0);
+  auto [first, second] = locate(storage, sequence, position);
+  first = at::where(valid, first, 0);
+  second = at::where(valid, second, 0);
+  const at::Tensor past_end = at::logical_not(valid).view({rows, 1, 1});
+  at::Tensor k_packed = k_storage.index({first, second}), v_packed = v_storage.index({first, second});
+  k_packed.masked_fill_(past_end, 0);
+  v_packed.masked_fill_(past_end, 0);
+  return {k_packed, v_packed, cu_seqlens_k.to(at::kInt)};
+}
+
+}  // namespace flash_ext
