@@ -131,6 +131,31 @@ def _check_block_table(block_table, batch, q, pool, pool_name):
                          f"{pool.shape[1]}")
 
 
+def _check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k):
+    """check_varlen_paged_inputs of csrc/api/checks.cpp."""
+    if block_table is None:
+        batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    else:
+        torch._check(q.dim() == 3, lambda: "flash_ext: q must have 3 dimensions (total_q, heads_q, head_dim) for "
+                                           f"attention_varlen, got {q.dim()} (shape {_sizes(q.shape)})")
+        for name, t in (("k", k), ("v", v)):
+            torch._check(t.dim() == 4,
+                         lambda: f"flash_ext: with block_table, {name} must be a page pool of 4 dimensions (num_blocks, "
+                                 f"page_size, heads_kv, head_dim), got {t.dim()} (shape {_sizes(t.shape)})")
+        _check_qkv_common(q, k, v)
+        torch._check(q.shape[0] <= _INT32_MAX,
+                     lambda: f"flash_ext: total_q must fit in int32 (cu_seqlens are int32), got {q.shape[0]}")
+        batch = _check_varlen_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        _check_block_table(block_table, batch, q, k, "k")
+        if q.device.type == "cuda":
+            max_blocks, page_size = block_table.shape[1], k.shape[1]
+            torch._check(batch * max_blocks * page_size <= _INT32_MAX,
+                         lambda: "flash_ext: batch * max_blocks * page_size (the keys the CUDA path gathers) must fit in "
+                                 f"int32, got {batch} * {max_blocks} * {page_size}")
+    _check_int32_per_sequence(seqused_k, "seqused_k", batch, q)
+    return batch
+
+
 def _check_softmax_scale(softmax_scale):
     torch._check(math.isfinite(softmax_scale) and softmax_scale > 0,
                  lambda: f"flash_ext: softmax_scale must be a finite positive number, got {_number(softmax_scale)}")
@@ -222,6 +247,17 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     out = q.new_empty(q.shape)
     lse = q.new_empty((heads_q, total_q), dtype=torch.float32)
     return out, lse, _rng_state_like(q)
+
+
+@torch.library.register_fake("flash_ext::varlen_paged_fwd")
+def _varlen_paged_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k,
+                           softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+                           alibi_slopes=None, dropout_p=0.0):
+    batch = _check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                seqused_k)
+    _check_options(q, batch, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
+    total_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32), _rng_state_like(q)
 
 
 @torch.library.register_fake("flash_ext::varlen_bwd")

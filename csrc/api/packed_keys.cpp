@@ -55,4 +55,20 @@ PackedKeys pack_keys(const at::Tensor& k_storage, const at::Tensor& v_storage, c
   return {k_packed, v_packed, cu_seqlens_k.to(at::kInt)};
 }
 
+PackedKeys pack_varlen_keys(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_k,
+                            const PagedArgs& paged, std::optional<int64_t> rows) {
+  const int64_t batch = cu_seqlens_k.size(0) - 1;
+  const at::Tensor cu = cu_seqlens_k.to(at::kLong);
+  const at::Tensor spans = cu.narrow(0, 1, batch) - cu.narrow(0, 0, batch);
+  const at::Tensor length = paged.seqused_k.has_value() ? paged.seqused_k->to(at::kLong) : spans;
+  if (!rows.has_value()) rows = length.sum().item<int64_t>();
+  if (paged.block_table.has_value()) {
+    const KeyStorage storage{paged.block_table->to(at::kLong), at::Tensor(), k.size(1)};
+    return pack_keys(k, v, storage, at::zeros({batch}, cu.options()), length, *rows);
+  }
+  // A packed k is one storage row (1, total_k, heads, head_dim), sequence b's keys starting at cu_seqlens_k[b].
+  const KeyStorage storage{at::Tensor(), at::zeros({batch}, cu.options()), 0};
+  return pack_keys(k.unsqueeze(0), v.unsqueeze(0), storage, cu.narrow(0, 0, batch), length, *rows);
+}
+
 }  // namespace flash_ext

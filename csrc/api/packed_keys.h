@@ -1,13 +1,17 @@
 // Keys and values stored other than as a packed variable-length batch (pages read through a block table,
-// rows of a dense cache), and their gather into a packed batch for the varlen forward. Torch ops on the
-// storage's device only: no index value is read on the host (no device-to-host sync, so a CUDA call stays
-// graph-capturable). The gather of the CUDA kvcache_fwd fallback (ops_kvcache_cuda.cpp).
+// rows of a dense cache, or spans of a packed batch of which each sequence uses a prefix), and their gather
+// into a packed batch for the varlen forward. Torch ops on the storage's device only: no index value is read
+// on the host (no device-to-host sync, so a CUDA call stays graph-capturable). The one gather of the CUDA
+// kvcache_fwd fallback (ops_kvcache_cuda.cpp) and of varlen_paged_fwd on both devices.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
+
+#include "options.h"
 
 namespace flash_ext {
 
@@ -35,5 +39,12 @@ struct PackedKeys {
 // does, masking the scores), and 0 · NaN would still be NaN.
 PackedKeys pack_keys(const at::Tensor& k_storage, const at::Tensor& v_storage, const KeyStorage& storage,
                      const at::Tensor& start, const at::Tensor& length, int64_t rows);
+
+// The keys of a varlen_paged_fwd call (PagedArgs), packed: pages of the pools k, v through block_table, or
+// spans cu_seqlens_k[b] .. of the packed k, v; each sequence's first seqused_k[b] keys when seqused_k is given,
+// else its cu_seqlens_k[b + 1] - cu_seqlens_k[b]. `rows`: the packed size (see pack_keys); nullopt packs exactly
+// the used keys, which reads their count on the host (host tensors only).
+PackedKeys pack_varlen_keys(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_k,
+                            const PagedArgs& paged, std::optional<int64_t> rows);
 
 }  // namespace flash_ext
