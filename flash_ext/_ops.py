@@ -99,6 +99,10 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     torch._check(q.shape[0] <= _INT32_MAX and k.shape[0] <= _INT32_MAX,
                  lambda: f"flash_ext: total_q and total_k must fit in int32 (cu_seqlens are int32), got {q.shape[0]} "
                          f"and {k.shape[0]}")
+    return _check_varlen_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+def _check_varlen_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     batch = _varlen_batch(cu_seqlens_q)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         torch._check(cu.dtype == torch.int32, lambda: f"flash_ext: {name} must be int32, got {_dtype(cu.dtype)}")
@@ -110,6 +114,45 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         torch._check(cu.device == q.device, lambda: f"flash_ext: {name} is on {cu.device} but q is on {q.device}")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         torch._check(0 <= value <= _INT32_MAX, lambda: f"flash_ext: {name} must be in 0..2^31-1, got {value}")
+    return batch
+
+
+def _check_block_table(block_table, batch, q, pool, pool_name):
+    """check_block_table of csrc/api/checks.cpp."""
+    torch._check(block_table.dtype == torch.int32,
+                 lambda: f"flash_ext: block_table must be int32, got {_dtype(block_table.dtype)}")
+    torch._check(block_table.dim() == 2 and block_table.shape[0] == batch,
+                 lambda: f"flash_ext: block_table must have shape (batch, max_blocks) with batch = {batch}, got "
+                         f"{_sizes(block_table.shape)}")
+    torch._check(block_table.device == q.device,
+                 lambda: f"flash_ext: block_table is on {block_table.device} but q is on {q.device}")
+    torch._check(pool.shape[1] >= 1,
+                 lambda: f"flash_ext: with block_table, {pool_name}.size(1) is the page size and must be >= 1, got "
+                         f"{pool.shape[1]}")
+
+
+def _check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k):
+    """check_varlen_paged_inputs of csrc/api/checks.cpp."""
+    if block_table is None:
+        batch = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    else:
+        torch._check(q.dim() == 3, lambda: "flash_ext: q must have 3 dimensions (total_q, heads_q, head_dim) for "
+                                           f"attention_varlen, got {q.dim()} (shape {_sizes(q.shape)})")
+        for name, t in (("k", k), ("v", v)):
+            torch._check(t.dim() == 4,
+                         lambda: f"flash_ext: with block_table, {name} must be a page pool of 4 dimensions (num_blocks, "
+                                 f"page_size, heads_kv, head_dim), got {t.dim()} (shape {_sizes(t.shape)})")
+        _check_qkv_common(q, k, v)
+        torch._check(q.shape[0] <= _INT32_MAX,
+                     lambda: f"flash_ext: total_q must fit in int32 (cu_seqlens are int32), got {q.shape[0]}")
+        batch = _check_varlen_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        _check_block_table(block_table, batch, q, k, "k")
+        if q.device.type == "cuda":
+            max_blocks, page_size = block_table.shape[1], k.shape[1]
+            torch._check(batch * max_blocks * page_size <= _INT32_MAX,
+                         lambda: "flash_ext: batch * max_blocks * page_size (the keys the CUDA path gathers) must fit in "
+                                 f"int32, got {batch} * {max_blocks} * {page_size}")
+    _check_int32_per_sequence(seqused_k, "seqused_k", batch, q)
     return batch
 
 
@@ -206,6 +249,17 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out, lse, _rng_state_like(q)
 
 
+@torch.library.register_fake("flash_ext::varlen_paged_fwd")
+def _varlen_paged_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k,
+                           softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+                           alibi_slopes=None, dropout_p=0.0):
+    batch = _check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                seqused_k)
+    _check_options(q, batch, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p)
+    total_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32), _rng_state_like(q)
+
+
 @torch.library.register_fake("flash_ext::varlen_bwd")
 def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                      causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
@@ -269,16 +323,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seql
                          f"(k_cache.size(2) = {heads_kv})")
     capacity = k_cache.shape[1]
     if block_table is not None:
-        torch._check(block_table.dtype == torch.int32,
-                     lambda: f"flash_ext: block_table must be int32, got {_dtype(block_table.dtype)}")
-        torch._check(block_table.dim() == 2 and block_table.shape[0] == batch,
-                     lambda: f"flash_ext: block_table must have shape (batch, max_blocks) with batch = {batch}, got "
-                             f"{_sizes(block_table.shape)}")
-        torch._check(block_table.device == q.device,
-                     lambda: f"flash_ext: block_table is on {block_table.device} but q is on {q.device}")
-        torch._check(k_cache.shape[1] >= 1,
-                     lambda: "flash_ext: with block_table, k_cache.size(1) is the page size and must be >= 1, got "
-                             f"{k_cache.shape[1]}")
+        _check_block_table(block_table, batch, q, k_cache, "k_cache")
         torch._check(cache_batch_idx is None,
                      lambda: "flash_ext: cache_batch_idx cannot be used with block_table (the block table already "
                              "picks each sequence's pages)")

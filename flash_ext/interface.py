@@ -77,6 +77,11 @@ def _check_tensor(name: str, value: Any) -> None:
         raise TypeError(f"flash_ext: {name} must be a torch.Tensor, got {_describe(value)}")
 
 
+def _optional_tensor(name: str, value: Any) -> None:
+    if value is not None:
+        _check_tensor(name, value)
+
+
 def _window(window_size: Any) -> Tuple[Union[int, torch.SymInt], Union[int, torch.SymInt]]:
     if isinstance(window_size, (str, bytes, Tensor)) or not hasattr(window_size, "__iter__"):
         raise ValueError(f"flash_ext: window_size must be a pair (left, right) of ints, got {_describe(window_size)}")
@@ -127,13 +132,27 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_
                       max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                       softmax_scale: Optional[float] = None, window_size: Tuple[int, int] = (-1, -1),
                       softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
-                      deterministic: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                      deterministic: bool = False, block_table: Optional[Tensor] = None,
+                      seqused_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """flash_ext.attention_varlen's work: (out, lse, rng_state)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         _check_tensor(name, t)
+    _optional_tensor("block_table", block_table)
+    _optional_tensor("seqused_k", seqused_k)
     max_seqlens = _as_int("max_seqlen_q", max_seqlen_q), _as_int("max_seqlen_k", max_seqlen_k)
     options = _options(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic)
-    return torch.ops.flash_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *max_seqlens, *options)
+    if block_table is None and seqused_k is None:
+        return torch.ops.flash_ext.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *max_seqlens, *options)
+    # Paged keys or a used prefix of them: forward only, as flash-attn's paged path (the op has no backward).
+    argument = "block_table" if block_table is not None else "seqused_k"
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.requires_grad:
+                raise RuntimeError(f"flash_ext.attention_varlen with {argument} is forward only (no backward), but "
+                                   f"{name} requires grad; call it under torch.no_grad() / torch.inference_mode(), "
+                                   "or detach the inputs")
+    return torch.ops.flash_ext.varlen_paged_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *max_seqlens, block_table,
+                                                seqused_k, *options)
 
 
 _FEATURES_DOC = """
@@ -239,33 +258,38 @@ attention.__doc__ = """Exact softmax attention, softmax(q·kᵀ·scale)·v, with
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
                      window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
-                     dropout_p: float = ..., deterministic: bool = ..., return_lse: Literal[False] = ...) -> Tensor: ...
+                     dropout_p: float = ..., deterministic: bool = ..., return_lse: Literal[False] = ...,
+                     block_table: Optional[Tensor] = ..., seqused_k: Optional[Tensor] = ...) -> Tensor: ...
 
 
 @overload
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
                      window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
-                     dropout_p: float = ..., deterministic: bool = ..., return_lse: Literal[True]) -> _Lse: ...
+                     dropout_p: float = ..., deterministic: bool = ..., return_lse: Literal[True],
+                     block_table: Optional[Tensor] = ..., seqused_k: Optional[Tensor] = ...) -> _Lse: ...
 
 
 @overload
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, *, causal: bool = ..., softmax_scale: Optional[float] = ...,
                      window_size: Tuple[int, int] = ..., softcap: float = ..., alibi_slopes: Optional[Tensor] = ...,
-                     dropout_p: float = ..., deterministic: bool = ...,
-                     return_lse: bool) -> Union[Tensor, _Lse]: ...
+                     dropout_p: float = ..., deterministic: bool = ..., return_lse: bool,
+                     block_table: Optional[Tensor] = ...,
+                     seqused_k: Optional[Tensor] = ...) -> Union[Tensor, _Lse]: ...
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, *, causal: bool = False, softmax_scale: Optional[float] = None,
                      window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                      alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0, deterministic: bool = False,
-                     return_lse: bool = False) -> Union[Tensor, _Lse]:
+                     return_lse: bool = False, block_table: Optional[Tensor] = None,
+                     seqused_k: Optional[Tensor] = None) -> Union[Tensor, _Lse]:
     return_lse = _as_bool("return_lse", return_lse)
     out, lse, _ = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                     softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                                    alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic)
+                                    alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
+                                    block_table=block_table, seqused_k=seqused_k)
     return (out, lse) if return_lse else out
 
 
@@ -284,19 +308,35 @@ attention_varlen.__doc__ = """Attention over a batch of sequences of different l
         max_seqlen_q, max_seqlen_k: ints, the longest query (key) sequence; at least the true maximum.
             The CPU path checks cu_seqlens' values; a GPU path cannot without a device-to-host sync,
             so there they are the caller's contract.
+        block_table: None, or int32 (batch, max_blocks) on q's device: the keys are paged (the
+            chunked-prefill path of serving engines; flash-attn 2.8's flash_attn_varlen_func with
+            block_table). k and v are then page pools (num_blocks, page_size, heads_kv, head_dim), any
+            page_size >= 1, of one shape, and key j of sequence b is slot j % page_size of page
+            block_table[b, j // page_size]. cu_seqlens_k still gives each sequence's number of keys,
+            seqlen_k = cu_seqlens_k[b+1] - cu_seqlens_k[b] (cu_seqlens_k[-1] is not tied to k's shape).
+            Only the entries of the pages a sequence uses are read: later entries of its row may hold
+            anything (e.g. -1), and unused blocks of the pool are never read.
+        seqused_k: None, or int32 (batch,) on q's device: sequence b uses only its first
+            seqused_k[b] keys, and seqlen_k = seqused_k[b] overrides the length from cu_seqlens_k.
+            With block_table these are its first seqused_k[b] paged keys (up to max_blocks *
+            page_size); without, rows cu_seqlens_k[b] .. cu_seqlens_k[b] + seqused_k[b] - 1 of k and v
+            (seqused_k[b] <= cu_seqlens_k[b+1] - cu_seqlens_k[b]; cu_seqlens_k[-1] = total_k as usual).
         Below, seqlen_q and seqlen_k are the lengths of the query's own sequence, and batch is the
         number of sequences.""" + _FEATURES_DOC + """
+    block_table and seqused_k make the call forward only (inference, as flash-attn's paged path): q, k
+    or v requiring grad, with grad mode on, is an error that names the argument. max_seqlen_k must be
+    at least the longest seqlen_k used. The CPU path checks the index values (cu_seqlens, seqused_k,
+    the used entries of block_table); on CUDA they are the caller's contract, and the call gathers the
+    keys each sequence uses into a packed batch of batch * max_blocks * page_size rows (total_k
+    without block_table) by device-side index ops (no host sync; CUDA-graph capturable), then runs the
+    varlen kernels.
+
     Returns:
         out (total_q, heads_q, head_dim), or (out, lse) when return_lse, lse (heads_q, total_q).
     """
 
 
 # ---- KV cache ------------------------------------------------------------------------------------
-
-def _optional_tensor(name: str, value: Any) -> None:
-    if value is not None:
-        _check_tensor(name, value)
-
 
 def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
                            v: Optional[Tensor] = None, *, rotary_cos: Optional[Tensor] = None,

@@ -97,14 +97,45 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, soft
     return out, lse.float() if not upcast else lse
 
 
+def gather_varlen_keys(k: Tensor, v: Tensor, cu_seqlens_k: Tensor, *, block_table: Optional[Tensor] = None,
+                       seqused_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """The keys and values each sequence of flash_ext.attention_varlen(..., block_table=, seqused_k=) uses,
+    packed: (k_packed, v_packed, cu_seqlens_k_packed), for attention_varlen_ref.
+
+    Sequence b has n_b = seqused_k[b] keys when seqused_k is given, else cu_seqlens_k[b + 1] - cu_seqlens_k[b].
+    With block_table, k and v are page pools (num_blocks, page_size, heads_kv, head_dim) and its key j is slot
+    j % page_size of page block_table[b, j // page_size]; without, it is row cu_seqlens_k[b] + j of k and v."""
+    cu = [int(c) for c in cu_seqlens_k.tolist()]
+    batch = len(cu) - 1
+    lengths = [cu[b + 1] - cu[b] for b in range(batch)] if seqused_k is None else [int(n) for n in seqused_k.tolist()]
+    k_runs, v_runs = [], []
+    for b, n in enumerate(lengths):
+        positions = torch.arange(n)
+        if block_table is None:
+            rows = (cu[b] + positions,)
+        else:
+            page_size = k.shape[1]
+            rows = (block_table[b].long().cpu()[positions // page_size], positions % page_size)
+        k_runs.append(k[tuple(r.to(k.device) for r in rows)])
+        v_runs.append(v[tuple(r.to(v.device) for r in rows)])
+    packed_cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if not k_runs:
+        return k.new_zeros((0, *k.shape[-2:])), v.new_zeros((0, *v.shape[-2:])), packed_cu
+    return torch.cat(k_runs), torch.cat(v_runs), packed_cu
+
+
 def attention_varlen_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
                          alibi_slopes: Optional[Tensor] = None, dropout_mask: Optional[Tensor] = None,
+                         block_table: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
                          **kwargs: Any) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse) like flash_ext.attention_varlen(..., return_lse=True): attention_ref on each
     sequence, out (total_q, heads_q, head_dim), lse (heads_q, total_q). dropout_mask is
     (batch, heads_q, max_seqlen_q, max_seqlen_k), sequence b using its top-left corner; a
-    (batch, heads_q) alibi_slopes gives row b to sequence b. Other keyword arguments are attention_ref's.
+    (batch, heads_q) alibi_slopes gives row b to sequence b. block_table / seqused_k select each sequence's
+    keys as attention_varlen does (gather_varlen_keys). Other keyword arguments are attention_ref's.
     Differentiable with respect to q, k and v."""
+    if block_table is not None or seqused_k is not None:
+        k, v, cu_seqlens_k = gather_varlen_keys(k, v, cu_seqlens_k, block_table=block_table, seqused_k=seqused_k)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs, lses = [], []
     for b in range(len(cu_q) - 1):

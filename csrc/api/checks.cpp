@@ -55,9 +55,10 @@ void check_cu_seqlens(const at::Tensor& cu_seqlens, const char* name, int64_t ba
 }
 
 // The values of a host-resident cu_seqlens: starts at 0, never decreases, ends at `total`, and no
-// sequence is longer than max_seqlen (what a kernel sizes its grid by). On the CPU these reads are
-// free. A CUDA path must not do them on the hot path: reading device memory from the host waits
-// for the stream (a device-to-host sync); there the values are the caller's contract.
+// sequence is longer than max_seqlen (what a kernel sizes its grid by); total < 0 or max_seqlen < 0 leaves
+// that check out (varlen_paged_fwd: a page pool has no total_k, seqused_k gives the lengths). On the CPU
+// these reads are free. A CUDA path must not do them on the hot path: reading device memory from the host
+// waits for the stream (a device-to-host sync); there the values are the caller's contract.
 void check_cu_seqlens_values(const at::Tensor& cu_seqlens, const char* name, int64_t total, const char* total_name,
                              int64_t max_seqlen, const char* max_name) {
   const at::Tensor cu = cu_seqlens.contiguous();
@@ -68,11 +69,12 @@ void check_cu_seqlens_values(const at::Tensor& cu_seqlens, const char* name, int
     const int64_t length = static_cast<int64_t>(values[b + 1]) - values[b];
     FLASH_EXT_CHECK(length >= 0, "flash_ext: ", name, " must be non-decreasing, but ", name, "[", b + 1,
                     "] = ", values[b + 1], " < ", name, "[", b, "] = ", values[b]);
-    FLASH_EXT_CHECK(length <= max_seqlen, "flash_ext: sequence ", b, " has length ", length, " (from ", name, ") but ",
-                    max_name, " is ", max_seqlen, "; ", max_name, " must be at least the longest sequence");
+    FLASH_EXT_CHECK(max_seqlen < 0 || length <= max_seqlen, "flash_ext: sequence ", b, " has length ", length,
+                    " (from ", name, ") but ", max_name, " is ", max_seqlen, "; ", max_name,
+                    " must be at least the longest sequence");
   }
-  FLASH_EXT_CHECK(values[batch] == total, "flash_ext: ", name, "[-1] must equal ", total_name, " = ", total, ", got ",
-                  values[batch]);
+  FLASH_EXT_CHECK(total < 0 || values[batch] == total, "flash_ext: ", name, "[-1] must equal ", total_name, " = ",
+                  total, ", got ", values[batch]);
 }
 
 void check_softmax_scale(double softmax_scale) {
@@ -125,10 +127,9 @@ int64_t varlen_batch(const at::Tensor& cu_seqlens_q) {
   return cu_seqlens_q.size(0) - 1;
 }
 
-// Everything about a varlen call that needs no read of cu_seqlens' values.
-void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                         const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  check_qkv_varlen(q, k, v);
+// cu_seqlens and max_seqlen of a varlen call (no read of the values); returns the batch.
+static int64_t check_varlen_layout(const at::Tensor& q, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                   int64_t max_seqlen_q, int64_t max_seqlen_k) {
   const int64_t batch = varlen_batch(cu_seqlens_q);
   check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", batch, q);
   check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, q);
@@ -137,6 +138,73 @@ void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
                   max_seqlen_q);
   FLASH_EXT_CHECK(max_seqlen_k >= 0 && max_seqlen_k <= int_max, "flash_ext: max_seqlen_k must be in 0..2^31-1, got ",
                   max_seqlen_k);
+  return batch;
+}
+
+// Everything about a varlen call that needs no read of cu_seqlens' values.
+void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                         const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  check_qkv_varlen(q, k, v);
+  check_varlen_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+}
+
+void check_block_table(const at::Tensor& block_table, int64_t batch, const at::Tensor& q, const at::Tensor& pool,
+                       const char* pool_name) {
+  FLASH_EXT_CHECK(block_table.scalar_type() == at::kInt, "flash_ext: block_table must be int32, got ",
+                  block_table.scalar_type());
+  FLASH_EXT_CHECK(block_table.dim() == 2 && block_table.size(0) == batch,
+                  "flash_ext: block_table must have shape (batch, max_blocks) with batch = ", batch, ", got ",
+                  block_table.sizes());
+  FLASH_EXT_CHECK(block_table.device() == q.device(), "flash_ext: block_table is on ", block_table.device(),
+                  " but q is on ", q.device());
+  FLASH_EXT_CHECK(pool.size(1) >= 1, "flash_ext: with block_table, ", pool_name,
+                  ".size(1) is the page size and must be >= 1, got ", pool.size(1));
+}
+
+void check_int32_per_sequence(const std::optional<at::Tensor>& t, const char* name, int64_t batch,
+                              const at::Tensor& q) {
+  if (!t.has_value()) return;
+  FLASH_EXT_CHECK(t->scalar_type() == at::kInt, "flash_ext: ", name, " must be int32, got ", t->scalar_type());
+  FLASH_EXT_CHECK(t->dim() == 1 && t->size(0) == batch, "flash_ext: ", name, " must have shape (batch,) = (", batch,
+                  ",), got ", t->sizes());
+  FLASH_EXT_CHECK(t->device() == q.device(), "flash_ext: ", name, " is on ", t->device(), " but q is on ", q.device());
+}
+
+// Packed q (total_q, heads_q, head_dim) over page pools k and v (num_blocks, page_size, heads_kv, head_dim)
+// when block_table is given, else the packed k and v of check_varlen_inputs.
+void check_varlen_paged_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                               int64_t max_seqlen_k, const PagedArgs& paged) {
+  int64_t batch;
+  if (!paged.block_table.has_value()) {
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    batch = varlen_batch(cu_seqlens_q);
+  } else {
+    FLASH_EXT_CHECK(q.dim() == 3,
+                    "flash_ext: q must have 3 dimensions (total_q, heads_q, head_dim) for attention_varlen, got ",
+                    q.dim(), " (shape ", q.sizes(), ")");
+    FLASH_EXT_CHECK(k.dim() == 4,
+                    "flash_ext: with block_table, k must be a page pool of 4 dimensions (num_blocks, page_size, "
+                    "heads_kv, head_dim), got ",
+                    k.dim(), " (shape ", k.sizes(), ")");
+    FLASH_EXT_CHECK(v.dim() == 4,
+                    "flash_ext: with block_table, v must be a page pool of 4 dimensions (num_blocks, page_size, "
+                    "heads_kv, head_dim), got ",
+                    v.dim(), " (shape ", v.sizes(), ")");
+    check_qkv_common(q, k, v);
+    FLASH_EXT_CHECK(q.size(0) <= std::numeric_limits<int32_t>::max(),
+                    "flash_ext: total_q must fit in int32 (cu_seqlens are int32), got ", q.size(0));
+    batch = check_varlen_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    const at::Tensor& block_table = *paged.block_table;
+    check_block_table(block_table, batch, q, k, "k");
+    // The CUDA path gathers every sequence's pages into a packed batch of batch * max_blocks * page_size rows,
+    // which int32 cu_seqlens must address.
+    FLASH_EXT_CHECK(!q.is_cuda() || batch * block_table.size(1) * k.size(1) <= std::numeric_limits<int32_t>::max(),
+                    "flash_ext: batch * max_blocks * page_size (the keys the CUDA path gathers) must fit in int32, "
+                    "got ",
+                    batch, " * ", block_table.size(1), " * ", k.size(1));
+  }
+  check_int32_per_sequence(paged.seqused_k, "seqused_k", batch, q);
 }
 
 // The value checks, for cu_seqlens in host memory (see check_cu_seqlens_values).
@@ -145,6 +213,51 @@ void check_varlen_values_on_host(const at::Tensor& q, const at::Tensor& k, const
                           "max_seqlen_q");
   check_cu_seqlens_values(*varlen.cu_seqlens_k, "cu_seqlens_k", k.size(0), "total_k (k.size(0))", varlen.max_seqlen_k,
                           "max_seqlen_k");
+}
+
+void check_varlen_paged_values_on_host(const at::Tensor& q, const at::Tensor& k, const VarlenArgs& varlen,
+                                       const PagedArgs& paged) {
+  const bool is_paged = paged.block_table.has_value(), has_used = paged.seqused_k.has_value();
+  check_cu_seqlens_values(*varlen.cu_seqlens_q, "cu_seqlens_q", q.size(0), "total_q (q.size(0))", varlen.max_seqlen_q,
+                          "max_seqlen_q");
+  // A page pool has no total_k; with seqused_k the spans of cu_seqlens_k are storage, not the keys used.
+  check_cu_seqlens_values(*varlen.cu_seqlens_k, "cu_seqlens_k", is_paged ? -1 : k.size(0), "total_k (k.size(0))",
+                          has_used ? -1 : varlen.max_seqlen_k, "max_seqlen_k");
+  const at::Tensor cu_k = varlen.cu_seqlens_k->contiguous();
+  const at::Tensor used = has_used ? paged.seqused_k->contiguous() : at::Tensor();
+  const at::Tensor table = is_paged ? paged.block_table->contiguous() : at::Tensor();
+  const int64_t batch = cu_k.numel() - 1, page_size = is_paged ? k.size(1) : 0;
+  const int64_t max_blocks = is_paged ? table.size(1) : 0, capacity = max_blocks * page_size;
+  const int32_t* cu = cu_k.data_ptr<int32_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t span = static_cast<int64_t>(cu[b + 1]) - cu[b];
+    int64_t length = span;
+    if (has_used) {
+      length = used.data_ptr<int32_t>()[b];
+      const int64_t limit = is_paged ? capacity : span;
+      FLASH_EXT_CHECK(length >= 0 && length <= limit, "flash_ext: seqused_k[", b, "] = ", length, " must be in 0..",
+                      limit,
+                      is_paged ? " (max_blocks * page_size, the keys a row of block_table holds)"
+                               : " (the keys of sequence b in k: cu_seqlens_k[b + 1] - cu_seqlens_k[b])");
+      FLASH_EXT_CHECK(length <= varlen.max_seqlen_k, "flash_ext: sequence ", b, " uses ", length,
+                      " keys (seqused_k) but max_seqlen_k is ", varlen.max_seqlen_k,
+                      "; max_seqlen_k must be at least the longest sequence");
+    } else if (is_paged) {
+      FLASH_EXT_CHECK(length <= capacity, "flash_ext: sequence ", b, " has ", length,
+                      " keys (from cu_seqlens_k) but a row of block_table holds ", max_blocks, " pages of ", page_size,
+                      " keys");
+    }
+    total += length;
+    if (is_paged) {
+      const int32_t* row = table.data_ptr<int32_t>() + b * max_blocks;
+      for (int64_t page = 0; page * page_size < length; ++page)
+        FLASH_EXT_CHECK(row[page] >= 0 && row[page] < k.size(0), "flash_ext: block_table[", b, "][", page, "] = ",
+                        row[page], " is not a block of k (0..", k.size(0) - 1, ")");
+    }
+  }
+  FLASH_EXT_CHECK(total <= std::numeric_limits<int32_t>::max(),
+                  "flash_ext: the sequences use ", total, " keys in all (seqused_k); that must fit in int32");
 }
 
 // `batch`: the number of (dense or packed) sequences, which a (batch, heads_q) alibi_slopes must match.

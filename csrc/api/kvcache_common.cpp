@@ -8,17 +8,9 @@
 #include <utility>
 
 #include "../error_message.h"
+#include "checks.h"
 
 namespace flash_ext {
-
-static void check_int32_per_sequence(const std::optional<at::Tensor>& t, const char* name, int64_t batch,
-                              const at::Tensor& q) {
-  if (!t.has_value()) return;
-  FLASH_EXT_CHECK(t->scalar_type() == at::kInt, "flash_ext: ", name, " must be int32, got ", t->scalar_type());
-  FLASH_EXT_CHECK(t->dim() == 1 && t->size(0) == batch, "flash_ext: ", name, " must have shape (batch,) = (", batch,
-                  ",), got ", t->sizes());
-  FLASH_EXT_CHECK(t->device() == q.device(), "flash_ext: ", name, " is on ", t->device(), " but q is on ", q.device());
-}
 
 // Everything that needs no read of the index tensors' values (mirrored by _kvcache_fwd_fake in flash_ext/_ops.py).
 void check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -58,16 +50,7 @@ void check_kvcache_inputs(const at::Tensor& q, const at::Tensor& k_cache, const 
   const bool paged = block_table.has_value();
   int64_t capacity = k_cache.size(1);  // the most keys one sequence can hold
   if (paged) {
-    FLASH_EXT_CHECK(block_table->scalar_type() == at::kInt, "flash_ext: block_table must be int32, got ",
-                    block_table->scalar_type());
-    FLASH_EXT_CHECK(block_table->dim() == 2 && block_table->size(0) == batch,
-                    "flash_ext: block_table must have shape (batch, max_blocks) with batch = ", batch, ", got ",
-                    block_table->sizes());
-    FLASH_EXT_CHECK(block_table->device() == q.device(), "flash_ext: block_table is on ", block_table->device(),
-                    " but q is on ", q.device());
-    FLASH_EXT_CHECK(k_cache.size(1) >= 1, "flash_ext: with block_table, k_cache.size(1) is the page size and must be "
-                                          ">= 1, got ",
-                    k_cache.size(1));
+    check_block_table(*block_table, batch, q, k_cache, "k_cache");
     FLASH_EXT_CHECK(!cache_batch_idx.has_value(),
                     "flash_ext: cache_batch_idx cannot be used with block_table (the block table already picks each "
                     "sequence's pages)");

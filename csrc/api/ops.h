@@ -21,6 +21,11 @@ FwdResult attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::
 BwdResult attention_bwd_cpu(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
                             bool deterministic, const std::optional<at::Tensor>& rng_state, const VarlenArgs& varlen);
+// flash_ext::varlen_paged_fwd (attention_varlen with block_table / seqused_k, forward only): the keys each
+// sequence uses gathered into a packed batch (packed_keys.h), then the varlen forward. The CPU body checks the
+// index values (check_varlen_paged_values_on_host) and packs exactly the used keys.
+FwdResult varlen_paged_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const AttentionOptions& options, const VarlenArgs& varlen, const PagedArgs& paged);
 // flash_ext.testing.dropout_keep_mask: the (batch, heads, seqlen_q, seqlen_k) keep mask (true = kept) that a
 // forward with this rng_state and dropout_p applies, from the same Philox function.
 at::Tensor dropout_keep_mask_cpu(const at::Tensor& rng_state, int64_t batch, int64_t heads, int64_t seqlen_q,
@@ -52,6 +57,9 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
                                const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits);
 FwdResult attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const AttentionOptions& options, const VarlenArgs& varlen);
+// varlen_paged_fwd on CUDA: index values unchecked (no host sync); the packed batch is sized by a bound.
+FwdResult varlen_paged_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const AttentionOptions& options, const VarlenArgs& varlen, const PagedArgs& paged);
 BwdResult attention_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
                              bool deterministic, const std::optional<at::Tensor>& rng_state, const VarlenArgs& varlen);

@@ -10,6 +10,7 @@
 #include "../error_message.h"
 #include "checks.h"
 #include "ops.h"
+#include "packed_keys.h"
 #include "params_from_tensors.h"
 #include "rng.h"
 
@@ -37,6 +38,14 @@ FwdResult attention_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in, cons
   if (out.numel() == 0) return {out, lse, rng_state};
   cpu::attention_fwd(make_fwd_params(q, k, v, out, lse, options, varlen, rng));
   return {out, lse, rng_state};
+}
+
+FwdResult varlen_paged_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const AttentionOptions& options, const VarlenArgs& varlen, const PagedArgs& paged) {
+  check_varlen_paged_values_on_host(q, k, varlen, paged);
+  const PackedKeys packed = pack_varlen_keys(k, v, *varlen.cu_seqlens_k, paged, /*rows=*/std::nullopt);
+  return attention_fwd_cpu(q, packed.k, packed.v, options,
+                           {varlen.cu_seqlens_q, packed.cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k});
 }
 
 BwdResult attention_bwd_cpu(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,

@@ -18,6 +18,7 @@
 #include "../host/runtime_settings.h"
 #include "../kernel_configs.h"
 #include "ops.h"
+#include "packed_keys.h"
 #include "params_from_tensors.h"
 #include "rng.h"
 
@@ -95,6 +96,19 @@ FwdResult attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, con
   if (options.dropout_p > 0) set_cuda_dropout_state(p, rng_state);
   run_attention_fwd(p, stream);
   return result();
+}
+
+FwdResult varlen_paged_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const AttentionOptions& options, const VarlenArgs& varlen, const PagedArgs& paged) {
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  // The used keys' count is on the device, so the packed batch holds as many as the sequences could use:
+  // batch * max_blocks * page_size from the pages, total_k (seqused_k[b] <= its span) from a packed k.
+  const int64_t rows = paged.block_table.has_value()
+                           ? (varlen.cu_seqlens_k->size(0) - 1) * paged.block_table->size(1) * k.size(1)
+                           : k.size(0);
+  const PackedKeys packed = pack_varlen_keys(k, v, *varlen.cu_seqlens_k, paged, rows);
+  return attention_fwd_cuda(q, packed.k, packed.v, options,
+                            {varlen.cu_seqlens_q, packed.cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k});
 }
 
 BwdResult attention_bwd_cuda(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,

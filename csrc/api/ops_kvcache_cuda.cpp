@@ -4,21 +4,14 @@
 // decoding (few query rows per kv head) take the split-KV decode kernels (csrc/decode/), which read the keys
 // through the block table or the cache rows in place. Prefill against a cached prefix, head dims without a
 // decode kernel, and caches it cannot read (strides or base not 16-byte aligned) take a gather of each
-// sequence's keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) into a packed batch and the varlen forward
+// sequence's keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) into a packed batch (packed_keys.h) and the varlen forward
 // instead. The index values are the caller's contract here (an out-of-range one is a device-side error), as
 // cu_seqlens are.
 #include <ATen/TensorIndexing.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/clamp.h>
-#include <ATen/ops/cumsum.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/floor_divide.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/remainder.h>
-#include <ATen/ops/searchsorted.h>
-#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -34,20 +27,11 @@
 #include "../host/device_info.h"
 #include "kvcache_common.h"
 #include "ops.h"
+#include "packed_keys.h"
 #include "params_from_tensors.h"
 
 namespace flash_ext {
 namespace {
-
-// Where positions `pos` of sequences `seq` (long tensors of one shape) live in the caches: (block, slot) of a
-// paged cache, (row, position) of a dense one.
-std::pair<at::Tensor, at::Tensor> locate(const at::Tensor& seq, const at::Tensor& pos, const at::Tensor& rows,
-                                         const at::Tensor& table, int64_t page_size) {
-  if (table.defined()) {
-    return {table.index({seq, at::floor_divide(pos, page_size)}), at::remainder(pos, page_size)};
-  }
-  return {rows.index({seq}), pos};
-}
 
 // Whether the decode kernels can read the caches in place: 16-byte aligned bases and strides, the same strides
 // for k_cache and v_cache, the head dim one they are built for.
@@ -62,9 +46,9 @@ bool decode_applies(const at::Tensor& k_cache, const at::Tensor& v_cache) {
          aligned(k_cache) && aligned(v_cache);
 }
 
-// Whether the decode kernels take a call: few packed rows per kv head (decode, speculative decoding), so that
-// reading each K / V byte once per 16-row chunk beats a gather into the training kernels; those take prefill
-// against a cached prefix, where the arithmetic dominates.
+// Whether the decode kernels take a call: few packed rows per kv head (decode, speculative decoding: at most two
+// CTA row chunks), so that reading each K / V byte once per chunk beats a gather into the training kernels;
+// those take prefill against a cached prefix, where the arithmetic dominates.
 bool decode_takes(int64_t seqlen_q, int64_t group) { return seqlen_q * group <= 128; }
 
 // Key splits: every resident CTA slot of the device filled once (more would be a second partial wave), in
@@ -179,11 +163,12 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
   const auto seqlens_of = [&] {
     return cache_seqlens.has_value() ? cache_seqlens->to(at::kLong) : at::full({batch}, capacity, longs);
   };
-  const auto rows_of = [&] {
-    if (paged) return at::Tensor();
-    return cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong) : at::arange(batch, longs);
+  // Where each sequence's keys are (its pages, or its cache row); the block table as int64.
+  const auto storage_of = [&] {
+    if (paged) return KeyStorage{block_table->to(at::kLong), at::Tensor(), page_size};
+    return KeyStorage{at::Tensor(), cache_batch_idx.has_value() ? cache_batch_idx->to(at::kLong) : at::arange(batch, longs),
+                      0};
   };
-  const at::Tensor table = paged ? block_table->to(at::kLong) : at::Tensor();
 
   // Rotary positions: the new keys at cache_seqlens[b] + i; the queries at cache_seqlens[b] + i when causal or
   // windowed, else all at cache_seqlens[b] (absolute cache positions, as on the CPU).
@@ -200,7 +185,7 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
     }
     if (seqlen_new > 0) {
       const at::Tensor sequence_of_row = at::arange(batch, longs).unsqueeze(1).expand_as(new_positions);
-      const auto [first, second] = locate(sequence_of_row, new_positions, rows_of(), table, page_size);
+      const auto [first, second] = locate(storage_of(), sequence_of_row, new_positions);
       k_cache.index_put_({first, second}, k_new);
       v_cache.index_put_({first, second}, v_new);
     }
@@ -212,28 +197,17 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
                       seqlen_new, capacity, options, num_splits);
   }
 
-  const at::Tensor seqlens = seqlens_of(), rows = rows_of();
+  const at::Tensor seqlens = seqlens_of();
   const at::Tensor leftpad = cache_leftpad.has_value() ? cache_leftpad->to(at::kLong) : at::zeros({batch}, longs);
-  // Row p of the packed keys is key p - cu_seqlens_k[b] of the sequence b whose span holds p; rows past the
-  // last sequence's end (the packed tensor is sized by the capacity, not by the lengths) read position 0.
-  const at::Tensor lengths = seqlens + seqlen_new - leftpad;
-  const at::Tensor cu_seqlens_k = at::cat({at::zeros({1}, longs), at::cumsum(lengths, 0)});
-  const at::Tensor packed = at::arange(batch * capacity, longs);
-  const at::Tensor sequence =
-      at::clamp(at::searchsorted(cu_seqlens_k.narrow(0, 1, batch), packed, /*out_int32=*/false, /*right=*/true), 0,
-                batch > 0 ? batch - 1 : 0);
-  const at::Tensor valid = packed < cu_seqlens_k.narrow(0, batch, 1);
-  const at::Tensor position = at::where(valid, leftpad.index({sequence}) + packed - cu_seqlens_k.index({sequence}), 0);
-  auto [first, second] = locate(sequence, position, rows, table, page_size);
-  first = at::where(valid, first, 0);
-  second = at::where(valid, second, 0);
-  const at::Tensor k_packed = k_cache.index({first, second}), v_packed = v_cache.index({first, second});
-
-  const VarlenArgs varlen{(at::arange(batch + 1, longs) * seqlen_q).to(at::kInt), cu_seqlens_k.to(at::kInt),
-                          seqlen_q, capacity};
+  // Each sequence's keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) packed, in batch * capacity rows (the
+  // lengths are on the device).
+  const PackedKeys packed =
+      pack_keys(k_cache, v_cache, storage_of(), leftpad, seqlens + seqlen_new - leftpad, batch * capacity);
+  const VarlenArgs varlen{(at::arange(batch + 1, longs) * seqlen_q).to(at::kInt), packed.cu_seqlens_k, seqlen_q,
+                          capacity};
   // num_splits: how a decode kernel would split the keys; the varlen kernels' result does not depend on it.
   auto [out, lse, rng_state] =
-      attention_fwd_cuda(q_used.reshape({batch * seqlen_q, heads_q, head_dim}), k_packed, v_packed, options, varlen);
+      attention_fwd_cuda(q_used.reshape({batch * seqlen_q, heads_q, head_dim}), packed.k, packed.v, options, varlen);
   (void)rng_state;
   return {out.view({batch, seqlen_q, heads_q, head_dim}),
           lse.view({heads_q, batch, seqlen_q}).permute({1, 0, 2}).contiguous()};

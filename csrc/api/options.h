@@ -30,4 +30,14 @@ struct VarlenArgs {
   bool is_varlen() const { return cu_seqlens_q.has_value(); }
 };
 
+// Where a variable-length call's keys are when they are not simply packed (flash_ext::varlen_paged_fwd,
+// attention_varlen's block_table / seqused_k): with block_table (int32 (batch, max_blocks)), k and v are page
+// pools (num_blocks, page_size, heads_kv, head_dim) and key j of sequence b is slot j % page_size of page
+// block_table[b][j / page_size]; with seqused_k (int32 (batch,)), sequence b uses its first seqused_k[b] keys
+// instead of cu_seqlens_k[b + 1] - cu_seqlens_k[b].
+struct PagedArgs {
+  std::optional<at::Tensor> block_table;
+  std::optional<at::Tensor> seqused_k;
+};
+
 }  // namespace flash_ext

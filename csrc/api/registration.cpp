@@ -15,6 +15,8 @@ namespace {
 
 using FwdBody = FwdResult (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const AttentionOptions&,
                               const VarlenArgs&);
+using PagedFwdBody = FwdResult (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const AttentionOptions&,
+                                   const VarlenArgs&, const PagedArgs&);
 using BwdBody = BwdResult (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, const at::Tensor&, const AttentionOptions&, bool,
                               const std::optional<at::Tensor>&, const VarlenArgs&);
@@ -59,6 +61,22 @@ FwdResult varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                make_options(q, varlen_batch(cu_seqlens_q), softmax_scale, causal, window_left, window_right, softcap,
                             alibi_slopes, dropout_p),
                varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k));
+}
+
+// Forward only (no autograd registration): flash_ext.attention_varlen rejects inputs that require grad.
+template <PagedFwdBody kBody>
+FwdResult varlen_paged_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                           int64_t max_seqlen_k, const std::optional<at::Tensor>& block_table,
+                           const std::optional<at::Tensor>& seqused_k, double softmax_scale, bool causal,
+                           bool /*deterministic*/, int64_t window_left, int64_t window_right, double softcap,
+                           const std::optional<at::Tensor>& alibi_slopes, double dropout_p) {
+  const PagedArgs paged{block_table, seqused_k};
+  check_varlen_paged_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, paged);
+  return kBody(q, k, v,
+               make_options(q, varlen_batch(cu_seqlens_q), softmax_scale, causal, window_left, window_right, softcap,
+                            alibi_slopes, dropout_p),
+               varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), paged);
 }
 
 template <BwdBody kBody>
@@ -126,6 +144,16 @@ TORCH_LIBRARY(flash_ext, m) {
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, " FLASH_EXT_OPTIONS_SCHEMA
       ", Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Variable-length batch whose keys are read through a block table and / or only partly used
+  // (flash_ext.attention_varlen with block_table / seqused_k; flash-attn's paged varlen semantics): with
+  // block_table (batch, max_blocks) int32, k and v are page pools (num_blocks, page_size, heads_kv, head_dim)
+  // and key j of sequence b is slot j % page_size of page block_table[b][j / page_size]; seqused_k (batch,)
+  // int32: sequence b uses its first seqused_k[b] keys instead of cu_seqlens_k[b + 1] - cu_seqlens_k[b].
+  // Forward only (no backward op, no autograd); with both None it is varlen_fwd's forward.
+  m.def(
+      "varlen_paged_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, Tensor? block_table, Tensor? seqused_k, " FLASH_EXT_OPTIONS_SCHEMA
+      ") -> (Tensor out, Tensor lse, Tensor rng_state)");
   // KV cache (flash_ext.attention_with_kvcache): q (batch, seqlen_q, heads_q, head_dim); k_cache / v_cache
   // (batch_cache, seqlen_cache, heads_kv, head_dim), or pages (num_blocks, page_size, heads_kv, head_dim) with
   // block_table (batch, max_blocks) int32. k / v (batch, seqlen_new, heads_kv, head_dim), when given, are written
@@ -155,6 +183,7 @@ TORCH_LIBRARY_IMPL(flash_ext, CPU, m) {
   m.impl("bwd", &bwd<attention_bwd_cpu>);
   m.impl("varlen_fwd", &varlen_fwd<attention_fwd_cpu>);
   m.impl("varlen_bwd", &varlen_bwd<attention_bwd_cpu>);
+  m.impl("varlen_paged_fwd", &varlen_paged_fwd<varlen_paged_fwd_cpu>);
   m.impl("dropout_keep_mask", &dropout_keep_mask_cpu);
   m.impl("kvcache_fwd", &kvcache_fwd_cpu);
 }
@@ -165,6 +194,7 @@ TORCH_LIBRARY_IMPL(flash_ext, CUDA, m) {
   m.impl("bwd", &bwd<attention_bwd_cuda>);
   m.impl("varlen_fwd", &varlen_fwd<attention_fwd_cuda>);
   m.impl("varlen_bwd", &varlen_bwd<attention_bwd_cuda>);
+  m.impl("varlen_paged_fwd", &varlen_paged_fwd<varlen_paged_fwd_cuda>);
   m.impl("kernel_path", &kernel_path);
   m.impl("kvcache_fwd", &kvcache_fwd_cuda);
 }
