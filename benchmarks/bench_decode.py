@@ -363,7 +363,7 @@ def targets(data):
 
     # 5. the paged prefill (page 256, appended) within 10% of flash_ext.attention's TFLOP/s.
     pre = data.get("prefill") or []
-    ref = next((r for r in pre if r["impl"] == "flash_ext_attention"), None)
+    ref = next((r for r in pre if r["impl"] == "flash_ext_attention" and r.get("variant") != "varlen"), None)
     mine = next((r for r in pre if r["impl"] == "flash_ext" and r.get("variant") == "append"
                  and r.get("page_size") == PREFILL_TARGET_PAGE), None)
     r = ratio(mine and mine["tflops"], ref and ref["tflops"])
@@ -470,12 +470,15 @@ def format_markdown(data):
                       f"{HEADS_Q} x {HEAD_DIM} x {pairs} visible pairs / median time.", ""]
         head = ["impl", "cache", "ms", "TFLOP/s", "/ flash_ext.attention"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        ref = next((r for r in pre if r["impl"] == "flash_ext_attention"), None)
+        ref = next((r for r in pre if r["impl"] == "flash_ext_attention" and r.get("variant") != "varlen"), None)
         for r in pre:
             where = f"page {r['page_size']}" if r.get("page_size") else "contiguous"
             how = {"append": f", the {sq} new keys appended (k=, v=)",
-                   "cached": f", all {sk} keys already in the cache"}.get(r.get("variant"), "")
+                   "cached": f", all {sk} keys already in the cache",
+                   "varlen": ", packed (no gather)"}.get(r.get("variant"), "")
             label = "flash_ext.attention_with_kvcache" if r["impl"] == "flash_ext" else TITLES.get(r["impl"], r["impl"])
+            if r.get("variant") == "varlen":
+                label = "flash_ext.attention_varlen"
             lines.append(f"| {label} | {where}{how} | {r['ms']:.3f} | {r['tflops']:.0f} | "
                          f"{fmt(ratio(r['tflops'], ref and ref['tflops']))} |")
 
@@ -857,6 +860,7 @@ class Bench:
         plans = []
         if "flash_ext_attention" in self.args.impls or "flash_ext" in self.args.impls:
             plans.append(("flash_ext_attention", 0, "full"))
+            plans.append(("flash_ext_attention", 0, "varlen"))  # the packed varlen forward alone: the gather's share
         for page in self.args.prefill_page_sizes:
             if "flash_ext" in self.args.impls:
                 plans += [("flash_ext", page, "append"), ("flash_ext", page, "cached")]
@@ -872,6 +876,13 @@ class Bench:
             seqlens = torch.full((batch,), cached, dtype=torch.int32, device=dev)
             if variant == "append":
                 fn = self.call(impl, q, k, v, table, seqlens, sk, k_new, v_new)
+            elif variant == "varlen":
+                ext, q_packed = self.flash_ext, q.view(batch * sq, HEADS_Q, HEAD_DIM)
+                k_packed, v_packed = k.view(batch * sk, HEADS_KV, HEAD_DIM), v.view(batch * sk, HEADS_KV, HEAD_DIM)
+                cu_q = torch.tensor([0, sq], dtype=torch.int32, device=dev)
+                cu_k = torch.tensor([0, sk], dtype=torch.int32, device=dev)
+                fn = lambda: ext.attention_varlen(q_packed, k_packed, v_packed, cu_q, cu_k, sq, sk,  # noqa: E731
+                                                  causal=True)
             else:
                 fn = self.call(impl, q, k, v, table, seqlens, sk)
             try:
