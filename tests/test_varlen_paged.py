@@ -81,7 +81,7 @@ def to(value, device):
 
 def case(device, dtype, /, **options):
     """make_case on device; a dtype (the CUDA grids) overrides the options' own."""
-    return make_case(**options, device=device, **({} if dtype is None else {"dtype": dtype}))
+    return make_case(**{**options, **({} if dtype is None else {"dtype": dtype})}, device=device)
 
 
 def packed_rows(k, cu_seqlens_k, kwargs):
@@ -626,10 +626,10 @@ def test_cuda_graph_replay_with_new_index_values(paged):
         flipped = kwargs["block_table"].clone()
         flipped[[0, 2]] = flipped[[2, 0]]  # sequences 0 and 2 swap their pages (20 keys fit sequence 0's too)
         variants.append(dict(block_table=flipped, seqused_k=torch.tensor([20, 0, 7, 33], dtype=torch.int32)))
-        variants.append(dict(seqused_k=torch.tensor([7, 0, 20, 33], dtype=torch.int32),
-                             cu_seqlens_k=torch.tensor([0, 1, 1, 2, 3], dtype=torch.int32)))
+        # With seqused_k, cu_seqlens_k's lengths do not matter.
+        variants.append(dict(cu_seqlens_k=torch.tensor([0, 1, 1, 2, 3], dtype=torch.int32)))
+    call_args, call_kwargs = list(args), dict(kwargs)  # the eager calls' inputs, changed as the static ones
     for variant in variants:
-        call_args, call_kwargs = list(args), dict(kwargs)
         for name, value in variant.items():
             value = value.cuda()
             if name == "cu_seqlens_k":
