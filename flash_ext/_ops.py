@@ -140,8 +140,9 @@ def _check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                                            f"attention_varlen, got {q.dim()} (shape {_sizes(q.shape)})")
         for name, t in (("k", k), ("v", v)):
             torch._check(t.dim() == 4,
-                         lambda: f"flash_ext: with block_table, {name} must be a page pool of 4 dimensions (num_blocks, "
-                                 f"page_size, heads_kv, head_dim), got {t.dim()} (shape {_sizes(t.shape)})")
+                         lambda: f"flash_ext: with block_table, {name} must be a page pool of 4 dimensions "
+                                 f"(num_blocks, page_size, heads_kv, head_dim), got {t.dim()} (shape "
+                                 f"{_sizes(t.shape)})")
         _check_qkv_common(q, k, v)
         torch._check(q.shape[0] <= _INT32_MAX,
                      lambda: f"flash_ext: total_q must fit in int32 (cu_seqlens are int32), got {q.shape[0]}")
@@ -150,8 +151,8 @@ def _check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         if q.device.type == "cuda":
             max_blocks, page_size = block_table.shape[1], k.shape[1]
             torch._check(batch * max_blocks * page_size <= _INT32_MAX,
-                         lambda: "flash_ext: batch * max_blocks * page_size (the keys the CUDA path gathers) must fit in "
-                                 f"int32, got {batch} * {max_blocks} * {page_size}")
+                         lambda: "flash_ext: batch * max_blocks * page_size (the keys the CUDA path gathers) must "
+                                 f"fit in int32, got {batch} * {max_blocks} * {page_size}")
     _check_int32_per_sequence(seqused_k, "seqused_k", batch, q)
     return batch
 
