@@ -52,9 +52,7 @@ bool decode_applies(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 bool decode_takes(int64_t seqlen_q, int64_t group) { return seqlen_q * group <= 128; }
 
 // Key splits: every resident CTA slot of the device filled once (more would be a second partial wave), in
-// whole CTA rounds of keys, and at least 8 keys a split per row a CTA writes: a split's partial output (fp32,
-// written and read back by the combine) then costs at most a quarter of the K / V bytes it reads (speculative
-// decoding at short caches would otherwise move more partials than keys); `requested` > 0 forces the number.
+// whole CTA rounds of keys; `requested` > 0 forces the number.
 std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_split, int64_t capacity,
                                       int head_dim, int rows, int num_sms) {
   const auto keys_per = [](int64_t keys, int64_t parts) {
@@ -67,8 +65,7 @@ std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_sp
   }
   const int64_t slots = int64_t{num_sms} * decode::resident_ctas_per_sm(head_dim, decode::row_tiles(rows));
   const int64_t wanted = std::max<int64_t>(1, slots / std::max<int64_t>(ctas_without_split, 1));
-  const int64_t keys = std::max(keys_per(capacity, std::min<int64_t>(wanted, 256)),
-                                keys_per(8 * std::min(rows, decode::rows_per_cta(rows)), 1));
+  const int64_t keys = keys_per(capacity, std::min<int64_t>(wanted, 256));
   return {static_cast<int>((capacity + keys - 1) / keys), keys};
 }
 
