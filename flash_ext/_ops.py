@@ -149,10 +149,10 @@ def _check_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         batch = _check_varlen_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         _check_block_table(block_table, batch, q, k, "k")
         if q.device.type == "cuda":
-            max_blocks, page_size = block_table.shape[1], k.shape[1]
-            torch._check(batch * max_blocks * page_size <= _INT32_MAX,
-                         lambda: "flash_ext: batch * max_blocks * page_size (the keys the CUDA path gathers) must "
-                                 f"fit in int32, got {batch} * {max_blocks} * {page_size}")
+            per_sequence = torch.sym_min(max_seqlen_k, block_table.shape[1] * k.shape[1])
+            torch._check(batch * per_sequence <= _INT32_MAX,
+                         lambda: "flash_ext: batch * min(max_seqlen_k, max_blocks * page_size) (the keys the CUDA "
+                                 f"path gathers) must fit in int32, got {batch} * {per_sequence}")
     _check_int32_per_sequence(seqused_k, "seqused_k", batch, q)
     return batch
 

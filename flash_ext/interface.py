@@ -326,10 +326,11 @@ attention_varlen.__doc__ = """Attention over a batch of sequences of different l
     block_table and seqused_k make the call forward only (inference, as flash-attn's paged path): q, k
     or v requiring grad, with grad mode on, is an error that names the argument. max_seqlen_k must be
     at least the longest seqlen_k used. The CPU path checks the index values (cu_seqlens, seqused_k,
-    the used entries of block_table); on CUDA they are the caller's contract, and the call gathers the
-    keys each sequence uses into a packed batch of batch * max_blocks * page_size rows (total_k
-    without block_table) by device-side index ops (no host sync; CUDA-graph capturable), then runs the
-    varlen kernels.
+    the used entries of block_table); on CUDA they are the caller's contract (a count past
+    max_seqlen_k or past the sequence's pages or span is cut there: wrong output, no error), and the
+    call gathers the keys each sequence uses into a packed batch of batch * min(max_seqlen_k,
+    max_blocks * page_size) rows (at most total_k without block_table) by device-side index ops (no
+    host sync; CUDA-graph capturable), then runs the varlen kernels.
 
     Returns:
         out (total_q, heads_q, head_dim), or (out, lse) when return_lse, lse (heads_q, total_q).

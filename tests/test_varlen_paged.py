@@ -84,17 +84,20 @@ def case(device, dtype, /, **options):
     return make_case(**{**options, **({} if dtype is None else {"dtype": dtype})}, device=device)
 
 
-def packed_rows(k, cu_seqlens_k, kwargs):
-    """The rows of the packed keys the CUDA path allocates."""
-    table = kwargs.get("block_table")
-    return (len(cu_seqlens_k) - 1) * table.shape[1] * k.shape[1] if table is not None else k.shape[0]
+def packed_rows(k, cu_seqlens_k, max_seqlen_k, kwargs):
+    """The rows of the packed keys the CUDA path allocates: batch * min(max_seqlen_k, max_blocks * page_size),
+    or min(total_k, batch * max_seqlen_k) without block_table."""
+    batch, table = len(cu_seqlens_k) - 1, kwargs.get("block_table")
+    if table is None:
+        return min(k.shape[0], batch * max_seqlen_k)
+    return batch * min(max_seqlen_k, table.shape[1] * k.shape[1])
 
 
-def poison_allocator(q, k, cu_seqlens_k, kwargs):
+def poison_allocator(q, k, cu_seqlens_k, max_seqlen_k, kwargs):
     """Frees NaN-filled (0xFF) blocks of the sizes of the CUDA path's allocations (packed k / v, their padded
     copies, out, lse), so that anything the op fails to write shows as NaN."""
     element, (total_q, heads_q, head_dim), heads_kv = q.element_size(), q.shape, k.shape[-2]
-    rows, padded = packed_rows(k, cu_seqlens_k, kwargs), padded_head_dim(head_dim)
+    rows, padded = packed_rows(k, cu_seqlens_k, max_seqlen_k, kwargs), padded_head_dim(head_dim)
     sizes = [rows * heads_kv * head_dim * element, rows * heads_kv * padded * element,
              total_q * heads_q * padded * element, total_q * heads_q * head_dim * element, heads_q * total_q * 4]
     blocks = [torch.full((max(1, n),), 0xFF, dtype=torch.uint8, device=q.device) for n in sizes for _ in range(2)]
@@ -110,7 +113,7 @@ def check_call(args, kwargs):
     attention_varlen on the used keys packed. Returns (out, lse)."""
     q, k, v, cu_q, cu_k, max_q, max_k = args
     if q.is_cuda:
-        poison_allocator(q, k, cu_k, kwargs)
+        poison_allocator(q, k, cu_k, max_k, kwargs)
     with torch.no_grad():
         out, lse, rng_state = attention_varlen_with_rng_state(*args, **kwargs)
     total_q, heads_q, _ = q.shape
@@ -535,6 +538,25 @@ def test_wrong_device():
         bad = dict(kwargs, **{name: kwargs[name].cpu()})
         with pytest.raises(RuntimeError, match=f"flash_ext: {name} is on cpu but q is on cuda:0"), torch.no_grad():
             flash_ext.attention_varlen(*args, **bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "packed_seqused"])
+def test_cuda_cuts_counts_past_the_contract(paged):
+    """CUDA reads no index value on the host: a key count past max_seqlen_k (or, without block_table, past the
+    sequence's span of k) is cut there, with no error and no read outside the packed batch."""
+    options = dict(lengths_k=(16, 0, 32, 48), dtype=torch.bfloat16, device="cuda", causal=True)
+    args, kwargs = make_case(**options, **({} if paged else dict(page_size=None, seqused=(16, 0, 32, 48))))
+    cut = dict(kwargs, seqused_k=torch.tensor([16, 0, 32, 40], dtype=torch.int32, device="cuda"))
+    with torch.no_grad():
+        expected = flash_ext.attention_varlen(*args[:6], 40, **cut)
+        if paged:  # max_seqlen_k 40 < 48 keys of sequence 3 (from cu_seqlens_k)
+            result = flash_ext.attention_varlen(*args[:6], 40, **kwargs)
+        else:  # seqused_k[1] = 5 > its span of 0 keys, seqused_k[3] = 48 > max_seqlen_k
+            over = dict(kwargs, seqused_k=torch.tensor([16, 5, 32, 48], dtype=torch.int32, device="cuda"))
+            result = flash_ext.attention_varlen(*args[:6], 40, **over)
+    torch.cuda.synchronize()
+    assert torch.equal(result, expected)
 
 
 @parametrize_devices(

@@ -197,12 +197,13 @@ void check_varlen_paged_inputs(const at::Tensor& q, const at::Tensor& k, const a
     batch = check_varlen_layout(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
     const at::Tensor& block_table = *paged.block_table;
     check_block_table(block_table, batch, q, k, "k");
-    // The CUDA path gathers every sequence's pages into a packed batch of batch * max_blocks * page_size rows,
-    // which int32 cu_seqlens must address.
-    FLASH_EXT_CHECK(!q.is_cuda() || batch * block_table.size(1) * k.size(1) <= std::numeric_limits<int32_t>::max(),
-                    "flash_ext: batch * max_blocks * page_size (the keys the CUDA path gathers) must fit in int32, "
-                    "got ",
-                    batch, " * ", block_table.size(1), " * ", k.size(1));
+    // The CUDA path gathers the keys into a packed batch of batch * min(max_seqlen_k, max_blocks * page_size)
+    // rows (varlen_keys_bound, packed_keys.h), which int32 cu_seqlens must address.
+    const int64_t per_sequence = std::min(max_seqlen_k, block_table.size(1) * k.size(1));
+    FLASH_EXT_CHECK(!q.is_cuda() || batch * per_sequence <= std::numeric_limits<int32_t>::max(),
+                    "flash_ext: batch * min(max_seqlen_k, max_blocks * page_size) (the keys the CUDA path gathers) "
+                    "must fit in int32, got ",
+                    batch, " * ", per_sequence);
   }
   check_int32_per_sequence(paged.seqused_k, "seqused_k", batch, q);
 }

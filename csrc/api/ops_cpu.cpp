@@ -43,7 +43,7 @@ FwdResult attention_fwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in, cons
 FwdResult varlen_paged_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const AttentionOptions& options, const VarlenArgs& varlen, const PagedArgs& paged) {
   check_varlen_paged_values_on_host(q, k, varlen, paged);
-  const PackedKeys packed = pack_varlen_keys(k, v, *varlen.cu_seqlens_k, paged, /*rows=*/std::nullopt);
+  const PackedKeys packed = pack_varlen_keys(k, v, varlen, paged, /*exact=*/true);
   return attention_fwd_cpu(q, packed.k, packed.v, options,
                            {varlen.cu_seqlens_q, packed.cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k});
 }

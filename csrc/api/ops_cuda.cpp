@@ -101,12 +101,8 @@ FwdResult attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, con
 FwdResult varlen_paged_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const AttentionOptions& options, const VarlenArgs& varlen, const PagedArgs& paged) {
   const c10::cuda::CUDAGuard device_guard(q.device());
-  // The used keys' count is on the device, so the packed batch holds as many as the sequences could use:
-  // batch * max_blocks * page_size from the pages, total_k (seqused_k[b] <= its span) from a packed k.
-  const int64_t rows = paged.block_table.has_value()
-                           ? (varlen.cu_seqlens_k->size(0) - 1) * paged.block_table->size(1) * k.size(1)
-                           : k.size(0);
-  const PackedKeys packed = pack_varlen_keys(k, v, *varlen.cu_seqlens_k, paged, rows);
+  // The used keys' counts stay on the device: the packed batch is sized by a bound (varlen_keys_bound).
+  const PackedKeys packed = pack_varlen_keys(k, v, varlen, paged, /*exact=*/false);
   return attention_fwd_cuda(q, packed.k, packed.v, options,
                             {varlen.cu_seqlens_q, packed.cu_seqlens_k, varlen.max_seqlen_q, varlen.max_seqlen_k});
 }

@@ -10,6 +10,7 @@
 #include <ATen/ops/floor_divide.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/logical_not.h>
+#include <ATen/ops/minimum.h>
 #include <ATen/ops/remainder.h>
 #include <ATen/ops/searchsorted.h>
 #include <ATen/ops/where.h>
@@ -71,20 +72,39 @@ PackedKeys pack_keys(const at::Tensor& k_storage, const at::Tensor& v_storage, c
   return {k_packed, v_packed, cu_seqlens_k.to(at::kInt)};
 }
 
-PackedKeys pack_varlen_keys(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_k,
-                            const PagedArgs& paged, std::optional<int64_t> rows) {
-  const int64_t batch = cu_seqlens_k.size(0) - 1;
-  const at::Tensor cu = cu_seqlens_k.to(at::kLong);
+// The most keys one sequence may use: max_seqlen_k, and with block_table what a row of it holds.
+static int64_t keys_per_sequence_bound(const at::Tensor& k, const VarlenArgs& varlen, const PagedArgs& paged) {
+  if (!paged.block_table.has_value()) return varlen.max_seqlen_k;
+  return std::min(varlen.max_seqlen_k, paged.block_table->size(1) * k.size(1));
+}
+
+int64_t varlen_keys_bound(const at::Tensor& k, const VarlenArgs& varlen, const PagedArgs& paged) {
+  const int64_t batch = varlen.cu_seqlens_k->size(0) - 1;
+  const int64_t rows = batch * keys_per_sequence_bound(k, varlen, paged);
+  return paged.block_table.has_value() ? rows : std::min(rows, k.size(0));
+}
+
+PackedKeys pack_varlen_keys(const at::Tensor& k, const at::Tensor& v, const VarlenArgs& varlen,
+                            const PagedArgs& paged, bool exact) {
+  const int64_t batch = varlen.cu_seqlens_k->size(0) - 1;
+  const at::Tensor cu = varlen.cu_seqlens_k->to(at::kLong);
   const at::Tensor spans = cu.narrow(0, 1, batch) - cu.narrow(0, 0, batch);
-  const at::Tensor length = paged.seqused_k.has_value() ? paged.seqused_k->to(at::kLong) : spans;
-  if (!rows.has_value()) rows = length.sum().item<int64_t>();
+  at::Tensor length = paged.seqused_k.has_value() ? paged.seqused_k->to(at::kLong) : spans;
+  int64_t rows;
+  if (exact) {
+    rows = length.sum().item<int64_t>();
+  } else {
+    if (!paged.block_table.has_value() && paged.seqused_k.has_value()) length = at::minimum(length, spans);
+    length = at::clamp(length, 0, keys_per_sequence_bound(k, varlen, paged));
+    rows = varlen_keys_bound(k, varlen, paged);
+  }
   if (paged.block_table.has_value()) {
     const KeyStorage storage{paged.block_table->to(at::kLong), at::Tensor(), k.size(1)};
-    return pack_keys(k, v, storage, at::zeros({batch}, cu.options()), length, *rows);
+    return pack_keys(k, v, storage, at::zeros({batch}, cu.options()), length, rows);
   }
   // A packed k is one storage row (1, total_k, heads, head_dim), sequence b's keys starting at cu_seqlens_k[b].
   const KeyStorage storage{at::Tensor(), at::zeros({batch}, cu.options()), 0};
-  return pack_keys(k.unsqueeze(0), v.unsqueeze(0), storage, cu.narrow(0, 0, batch), length, *rows);
+  return pack_keys(k.unsqueeze(0), v.unsqueeze(0), storage, cu.narrow(0, 0, batch), length, rows);
 }
 
 }  // namespace flash_ext

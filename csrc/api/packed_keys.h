@@ -8,7 +8,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <optional>
 #include <utility>
 
 #include "options.h"
@@ -42,9 +41,17 @@ PackedKeys pack_keys(const at::Tensor& k_storage, const at::Tensor& v_storage, c
 
 // The keys of a varlen_paged_fwd call (PagedArgs), packed: pages of the pools k, v through block_table, or
 // spans cu_seqlens_k[b] .. of the packed k, v; each sequence's first seqused_k[b] keys when seqused_k is given,
-// else its cu_seqlens_k[b + 1] - cu_seqlens_k[b]. `rows`: the packed size (see pack_keys); nullopt packs exactly
-// the used keys, which reads their count on the host (host tensors only).
-PackedKeys pack_varlen_keys(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_k,
-                            const PagedArgs& paged, std::optional<int64_t> rows);
+// else its cu_seqlens_k[b + 1] - cu_seqlens_k[b]. exact: exactly the used keys, their count read on the host
+// (host tensors, whose values the caller checked). Otherwise no value is read on the host: each count is
+// clamped to max_seqlen_k and to what the sequence's storage holds (max_blocks * page_size, or its span of k),
+// which in-contract counts already are, and the batch has batch * that bound rows (at most total_k without
+// block_table); an out-of-contract count then gives wrong output (as a wrong cu_seqlens does), and the packed
+// batch is never shorter than its cu_seqlens_k says (without block_table: given a valid cu_seqlens_k).
+PackedKeys pack_varlen_keys(const at::Tensor& k, const at::Tensor& v, const VarlenArgs& varlen,
+                            const PagedArgs& paged, bool exact);
+
+// The rows of the packed batch of pack_varlen_keys(exact=false): batch * min(max_seqlen_k, max_blocks *
+// page_size) with block_table, min(total_k, batch * max_seqlen_k) without.
+int64_t varlen_keys_bound(const at::Tensor& k, const VarlenArgs& varlen, const PagedArgs& paged);
 
 }  // namespace flash_ext
