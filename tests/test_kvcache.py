@@ -626,3 +626,30 @@ def test_decode_num_splits_agree_and_repeat(page_size):
         assert (results[splits][0].float() - results[1][0].float()).abs().max().item() <= 4 * EPS[torch.bfloat16]
         assert (results[splits][1] - results[1][1]).abs().max().item() <= 1e-4
     check_call(args, dict(kwargs, num_splits=7))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("seqlen_q", [1, 16])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_decode_ignores_nan_past_each_sequence(page_size, seqlen_q, splits):
+    """Cache entries past each sequence's keys hold NaN (a cache allocated with torch.empty may): the output is
+    bitwise that of the same call on the cache before the NaN went in, whichever slices (copied before the lengths
+    are read, or after) hold them."""
+    args, kwargs = case("cuda", torch.bfloat16, head_dim=128, heads_q=8, heads_kv=2, seqlen_q=seqlen_q,
+                        seqlen_new=None, seqlen_cache=700, cache_seqlens=(650, 37), page_size=page_size, causal=True)
+    q, k_cache, v_cache = args
+    with torch.no_grad():
+        clean = flash_ext.attention_with_kvcache(q, k_cache, v_cache, num_splits=splits, return_lse=True, **kwargs)
+    capacity = 700 if page_size is None else kwargs["block_table"].shape[1] * page_size
+    for b, length in enumerate((650, 37)):
+        for pos in range(length, capacity):
+            if page_size is None:
+                k_cache[b, pos], v_cache[b, pos] = float("nan"), float("nan")
+            else:
+                block = int(kwargs["block_table"][b, pos // page_size])
+                k_cache[block, pos % page_size], v_cache[block, pos % page_size] = float("nan"), float("nan")
+    with torch.no_grad():
+        poisoned = flash_ext.attention_with_kvcache(q, k_cache, v_cache, num_splits=splits, return_lse=True, **kwargs)
+    assert torch.isfinite(poisoned[0]).all()
+    assert torch.equal(poisoned[0], clean[0]) and torch.equal(poisoned[1], clean[1])

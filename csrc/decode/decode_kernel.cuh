@@ -84,6 +84,26 @@ __device__ __forceinline__ void load_slice(const DecodeParams& p, int b, int kv_
   }
 }
 
+// Zeroes the rows of a slice (keys first ...) at or past `end` that this lane copied by load_slice (the same
+// lane -> (row, chunk) map, so what the lane overwrites are its own completed copies): rows copied before the
+// sequence's length was known.
+template <int kHeadDim>
+__device__ __forceinline__ void zero_rows_from(unsigned char* stage, int64_t first, int64_t end, int lane) {
+  using Rows = SwizzledRows<kHeadDim>;
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kLanesPerRow = kChunks < 32 ? kChunks : 32;
+  constexpr int kRowsPerPass = 32 / kLanesPerRow;
+#pragma unroll
+  for (int pass = 0; pass < kWarpKeys / kRowsPerPass; ++pass) {
+    const int row = pass * kRowsPerPass + lane / kLanesPerRow;
+    if (first + row < end) continue;
+#pragma unroll
+    for (int c = lane % kLanesPerRow; c < kChunks; c += kLanesPerRow) {
+      *reinterpret_cast<uint4*>(stage + Rows::offset(row, c * 8)) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 template <typename Element, int kHeadDim, int kRowTiles>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const DecodeParams p) {
   using Rows = SwizzledRows<kHeadDim>;
@@ -122,37 +142,49 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   }
   cp_async_commit();
 
-  // This CTA's keys, sequence-relative (key 0 is cache position leftpad[b]): its split, narrowed to the band
-  // of its rows' windows.
-  const int64_t key_begin = p.leftpad != nullptr ? p.leftpad[b] : 0;
-  const int64_t len_k = (p.seqlens != nullptr ? int64_t{p.seqlens[b]} : p.capacity) + p.seqlen_new - key_begin;
-  const int64_t to_diagonal = len_k - p.seqlen_q;  // query i's causal mask ends at key i + to_diagonal
-  int64_t lo = int64_t{split} * p.keys_per_split;
-  int64_t hi = len_k < lo + p.keys_per_split ? len_k : lo + p.keys_per_split;
-  if (p.window_left >= 0) lo = max(lo, query_of(0) + to_diagonal - p.window_left);
-  if (p.window_right >= 0) hi = min(hi, query_of(rows - 1) + to_diagonal + p.window_right + 1);
-  // Slice s (keys lo + 16 s ...) is copied by warp s % kWarps into its rows of stage (s / kWarps) % kStages.
-  // Steps: a warp's own slices, or (shared) the CTA's stages of kWarps slices.
-  const int slices = hi > lo ? static_cast<int>((hi - lo + kWarpKeys - 1) / kWarpKeys) : 0;
-  const int steps = kShared ? (slices + kWarps - 1) / kWarps
-                            : (slices > warp ? (slices - warp + kWarps - 1) / kWarps : 0);
-  auto slice_first = [&](int step) { return lo + int64_t{step * kWarps + warp} * kWarpKeys; };
-
   const uint32_t q_tile = smem_address(smem);
   auto k_stage = [&](int step) { return q_tile + kQBytes + (step % kStages) * 2 * kTileBytes; };
   auto v_stage = [&](int step) { return k_stage(step) + kTileBytes; };
   auto own_rows = [&](uint32_t stage) { return stage + warp * kWarpKeys * Rows::kRowBytes; };
-  auto load = [&](int step) {
-    // A shared step's slices past `hi` are copied as zeros: every warp reads the whole stage.
-    load_slice<Element, kHeadDim>(p, b, kv_head, key_begin, slice_first(step), hi, own_rows(k_stage(step)),
+  // Slice s (keys lo + 16 s ...) is copied by warp s % kWarps into its rows of stage (s / kWarps) % kStages.
+  // Steps: a warp's own slices, or (shared) the CTA's stages of kWarps slices.
+  int64_t lo = int64_t{split} * p.keys_per_split;
+  auto steps_of = [&](int64_t end) {
+    const int slices = end > lo ? static_cast<int>((end - lo + kWarpKeys - 1) / kWarpKeys) : 0;
+    return kShared ? (slices + kWarps - 1) / kWarps : (slices > warp ? (slices - warp + kWarps - 1) / kWarps : 0);
+  };
+  auto slice_first = [&](int step) { return lo + int64_t{step * kWarps + warp} * kWarpKeys; };
+  int64_t key_begin = 0;
+  auto load = [&](int step, int64_t end) {
+    // A shared step's slices past `end` are copied as zeros: every warp reads the whole stage.
+    load_slice<Element, kHeadDim>(p, b, kv_head, key_begin, slice_first(step), end, own_rows(k_stage(step)),
                                   own_rows(v_stage(step)), lane);
   };
-
+  auto prologue = [&](int64_t end) {
+    const int count = steps_of(end);
 #pragma unroll
-  for (int step = 0; step < kStages - 1; ++step) {
-    if (step < steps) load(step);
-    cp_async_commit();
-  }
+    for (int step = 0; step < kStages - 1; ++step) {
+      if (step < count) load(step, end);
+      cp_async_commit();
+    }
+  };
+
+  // Dense caches with no leftpad and no left window: the split's keys are at known cache positions, so its first
+  // slices are copied before cache_seqlens is read (every position below the capacity is memory of the cache),
+  // saving a round trip; the rows they hold past the sequence's end are zeroed once its length is known.
+  const bool early = p.block_table == nullptr && p.leftpad == nullptr && p.window_left < 0;
+  if (early) prologue(min(p.capacity, lo + p.keys_per_split));
+
+  // This CTA's keys, sequence-relative (key 0 is cache position leftpad[b]): its split, narrowed to the band
+  // of its rows' windows.
+  key_begin = p.leftpad != nullptr ? p.leftpad[b] : 0;
+  const int64_t len_k = (p.seqlens != nullptr ? int64_t{p.seqlens[b]} : p.capacity) + p.seqlen_new - key_begin;
+  const int64_t to_diagonal = len_k - p.seqlen_q;  // query i's causal mask ends at key i + to_diagonal
+  int64_t hi = min(min(len_k, p.capacity - key_begin), lo + p.keys_per_split);
+  if (p.window_left >= 0) lo = max(lo, query_of(0) + to_diagonal - p.window_left);
+  if (p.window_right >= 0) hi = min(hi, query_of(rows - 1) + to_diagonal + p.window_right + 1);
+  const int steps = steps_of(hi);
+  if (!early) prologue(hi);
 
   // The rows this thread holds in the accumulator layout: lane / 4 and lane / 4 + 8 of its row tile.
   int64_t diagonal[2];
@@ -181,13 +213,16 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   const uint32_t q_lanes = a_lane_address<Rows>(q_tile, 16 * row_tile, 0);
   for (int step = 0; step < steps; ++step) {
     cp_async_wait<kStages - 2>();  // this thread's copies of `step`
+    if (early && step < kStages - 1 && slice_first(step) + kWarpKeys > hi) {
+      zero_rows_from<kHeadDim>(smem + (own_rows(v_stage(step)) - q_tile), slice_first(step), hi, lane);
+    }
     // Every copy of `step` landed, and every reader of step - 1's stage, which the next copy refills, is done.
     if constexpr (kShared) {
       __syncthreads();
     } else {
       __syncwarp();
     }
-    if (step + kStages - 1 < steps) load(step + kStages - 1);
+    if (step + kStages - 1 < steps) load(step + kStages - 1, hi);
     cp_async_commit();
 
     const uint32_t k_tile = kShared ? k_stage(step) : own_rows(k_stage(step));
@@ -282,49 +317,59 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   }
 }
 
-// Merges the splits of one (sequence, query, head) row per CTA: the splits' lse into shared memory, their
-// weights exp(lse_s - lse) formed once by warp 0, then each thread sums its columns over the splits in split
-// order (bitwise repeatable), several loads in flight. Launched as a programmatic dependent of the decode
-// kernel: it starts early and waits for it to finish.
+// Merges the splits of one (sequence, query, head) row per CTA, thread c taking column c: one pass over the splits
+// in chunks, each chunk's lse and partial values loaded together (one round trip per chunk, not per split), the
+// running sum rescaled when a chunk raises the max; the splits are summed in order (bitwise repeatable). Launched
+// as a programmatic dependent of the decode kernel: its CTAs are resident early and wait for that grid to finish.
 constexpr int kCombineThreads = 128;
 
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kCombineThreads) attention_decode_combine_kernel(const DecodeParams p) {
-  __shared__ float weight_s[kMaxSplits];
-  __shared__ float lse_s;
+  constexpr int kChunk = 16;
+  constexpr int kCols = (kHeadDim + kCombineThreads - 1) / kCombineThreads;
   wait_for_prerequisite_grid();
   const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
   const int64_t row = blockIdx.x;
-  for (int s = threadIdx.x; s < p.num_splits; s += kCombineThreads) weight_s[s] = p.lse_partial[s * rows_all + row];
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float lse_max = -INFINITY;
-    for (int s = lane; s < p.num_splits; s += 32) lse_max = fmaxf(lse_max, weight_s[s]);
+  float run_max = -INFINITY, sum = 0.f, value[kCols] = {};
+  for (int first = 0; first < p.num_splits; first += kChunk) {
+    float lse[kChunk], part[kChunk][kCols];
 #pragma unroll
-    for (int stride = 16; stride > 0; stride /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffff, lse_max, stride));
-    const float base = lse_max == -INFINITY ? 0.f : lse_max;
-    float sum = 0.f;
-    for (int s = lane; s < p.num_splits; s += 32) sum += expf(weight_s[s] - base);
+    for (int j = 0; j < kChunk; ++j) {
+      const int s = first + j < p.num_splits ? first + j : p.num_splits - 1;
+      lse[j] = first + j < p.num_splits ? p.lse_partial[s * rows_all + row] : -INFINITY;
 #pragma unroll
-    for (int stride = 16; stride > 0; stride /= 2) sum += __shfl_xor_sync(0xffffffff, sum, stride);
-    const bool empty = sum == 0.f;  // NaN (a NaN score) is not empty: it propagates
-    const float lse = empty ? -INFINITY : base + logf(sum);
-    __syncwarp();
-    for (int s = lane; s < p.num_splits; s += 32) weight_s[s] = empty ? 0.f : expf(weight_s[s] - lse);
-    if (lane == 0) lse_s = lse;
+      for (int i = 0; i < kCols; ++i) {
+        const int c = threadIdx.x + i * kCombineThreads;
+        part[j][i] = c < kHeadDim ? p.out_partial[(s * rows_all + row) * kHeadDim + c] : 0.f;
+      }
+    }
+    float chunk_max = run_max;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) chunk_max = fmaxf(chunk_max, lse[j]);
+    const float base = chunk_max == -INFINITY ? 0.f : chunk_max;
+    const float rescale = expf(run_max - base);  // 0 while nothing was summed
+    sum *= rescale;
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) value[i] *= rescale;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const float weight = expf(lse[j] - base);
+      sum += weight;
+#pragma unroll
+      for (int i = 0; i < kCols; ++i) value[i] += weight * part[j][i];
+    }
+    run_max = chunk_max;
   }
-  __syncthreads();
-  for (int c = threadIdx.x; c < kHeadDim; c += kCombineThreads) {
-    const float* partial = p.out_partial + row * kHeadDim + c;
-    float value = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < p.num_splits; ++s) value += weight_s[s] * partial[s * rows_all * kHeadDim];
-    static_cast<Element*>(p.out)[row * kHeadDim + c] = from_float<Element>(value);
+  const bool empty = sum == 0.f;  // NaN (a NaN score) is not empty: it propagates
+  const float base = run_max == -INFINITY ? 0.f : run_max;
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) {
+    const int c = threadIdx.x + i * kCombineThreads;
+    if (c < kHeadDim) static_cast<Element*>(p.out)[row * kHeadDim + c] = from_float<Element>(empty ? 0.f : value[i] / sum);
   }
   if (threadIdx.x == 0) {
     const int64_t h = row % p.heads_q, i = (row / p.heads_q) % p.seqlen_q, b = row / (int64_t{p.heads_q} * p.seqlen_q);
-    p.lse[(b * p.heads_q + h) * p.seqlen_q + i] = lse_s;
+    p.lse[(b * p.heads_q + h) * p.seqlen_q + i] = empty ? -INFINITY : base + logf(sum);
   }
 }
 

@@ -12,7 +12,7 @@ namespace flash_ext::decode {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-// The most key splits of one call (the combine kernel keeps each split's weight in shared memory).
+// The most key splits of one call (num_splits beyond it is capped).
 constexpr int kMaxSplits = 1024;
 
 // Keys one warp copies per pipeline stage (one P·V k-step); a stage holds kCtaKeys keys, kWarpKeys per warp.
