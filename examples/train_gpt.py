@@ -34,6 +34,7 @@ PRESETS = {
     "cuda": dict(steps=2000, batch_size=64, seq_len=256, dim=384, layers=6, heads=6, kv_heads=2, lr=1e-3),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
 
 
 def parse_args(argv=None):
@@ -94,10 +95,13 @@ def parse_args(argv=None):
 def sdpa_attention(q, k, v, dropout_p):
     """Causal attention through PyTorch's SDPA, in flash_ext's (batch, seq, heads, head_dim) layout."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants (batch, heads, seq, head_dim)
+    gqa = {}
     if k.shape[1] != q.shape[1]:
-        # SDPA's enable_gqa needs torch >= 2.5; repeating k and v works everywhere (at the cost of memory).
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if SDPA_HAS_GQA:
+            gqa = dict(enable_gqa=True)
+        else:  # older torch: repeat k and v to q's heads (memory and time that enable_gqa saves)
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, **gqa)
     return out.transpose(1, 2)
 
 
@@ -307,8 +311,10 @@ def main(argv=None):
         n_params = sum(p.numel() for p in model.parameters())
         path = args.attention
         if args.attention == "flash_ext":
-            probe = torch.empty(1, 1, args.heads, args.dim // args.heads, device=device, dtype=dtype)
-            path = f"flash_ext: {flash_ext.kernel_path(probe, causal=True)}"
+            head_dim = args.dim // args.heads
+            q = torch.empty(args.batch_size, args.seq_len, args.heads, head_dim, device=device, dtype=dtype)
+            kv = torch.empty(args.batch_size, args.seq_len, args.kv_heads, head_dim, device=device, dtype=dtype)
+            path = f"flash_ext: {flash_ext.kernel_path(q, kv, kv, causal=True)}"
         print(f"{len(data.train) + len(data.val)} characters, vocab {len(data.chars)}; {n_params / 1e6:.2f} M "
               f"parameters: {args.layers} layers, dim {args.dim}, {args.heads} q / {args.kv_heads} kv heads; "
               f"batch {args.batch_size} x {args.seq_len}, {args.steps} steps, {device} {args.dtype}")
