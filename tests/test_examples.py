@@ -65,6 +65,16 @@ def test_losses_as_csv_without_matplotlib(train_gpt, tmp_path, monkeypatch, caps
     assert [r[2] != "" for r in rows] == [False, True, False, True]
 
 
+def test_progress_lines_without_tqdm(train_gpt, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import tqdm` now raises ImportError
+    argv = [a for a in TINY if a != "--quiet"] + ["--steps", "40", "--sample-chars", "0",
+                                                  "--plot", str(tmp_path / "loss.png")]
+    train_gpt.main(argv)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == [f"{2 * i}/40" for i in range(1, 21)]
+    assert all("loss " in line and "tok/s " in line for line in lines), lines
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--heads", "4", "--kv-heads", "3"], "--heads (4) must be a multiple of --kv-heads (3)"),
     (["--dim", "30", "--heads", "4"], "--dim (30) must be a multiple of --heads (4)"),
