@@ -12,6 +12,15 @@ read bandwidth (and 90% of it) as horizontal lines.
     python benchmarks/plot.py bench.json -o bench.png [--ops fwd,bwd] [--impls flash_ext,sdpa_cudnn]
     python benchmarks/plot.py benchmarks/results/h200_decode.json -o benchmarks/results/h200_decode.png \
         [--impls flash_ext,sdpa_cudnn,fa4,flash_ext_attention]
+
+--summary: one figure per head dim for a reader in a hurry, from a bench_attention.py JSON and optionally a
+bench_decode.py JSON: forward and backward TFLOP/s vs seqlen (non-causal and causal) of flash_ext, SDPA
+FlashAttention-2, SDPA cuDNN (and FA4 where measured), the rows of the file's latest run only (the header's
+commit); below, where the decode JSON measured that head dim, KV TB/s vs KV length per batch (contiguous cache,
+CUDA-graph replay). Each panel notes the range of flash_ext's speed ratio to each other implementation.
+
+    python benchmarks/plot.py --summary benchmarks/results/h200.json benchmarks/results/h200_decode.json \
+        [-o 'benchmarks/results/h200_hd{head_dim}.png'] [--impls flash_ext,sdpa_flash,sdpa_cudnn,fa4]
 """
 import argparse
 import json
@@ -206,6 +215,233 @@ def plot_decode(data, path, impls=None):
     return len(batches)
 
 
+SUMMARY_IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "fa4")
+SUMMARY_TITLES = {"flash_ext": "flash_ext", "sdpa_flash": "PyTorch SDPA, FlashAttention-2 backend",
+                  "sdpa_cudnn": "PyTorch SDPA, cuDNN backend", "fa4": "FlashAttention-4"}
+SUMMARY_SHORT = {"sdpa_flash": "FA2", "sdpa_cudnn": "cuDNN", "fa4": "FA4"}
+SUMMARY_OPS = (("fwd", "forward"), ("bwd", "backward"))
+
+
+def _cudnn_label(version):
+    """cuDNN's version number (major·10000 + minor·100 + patch, as torch reports it) as text."""
+    return f"cuDNN {version // 10000}.{version // 100 % 100}" if isinstance(version, int) else None
+
+
+def _run_label(data, keys=("torch", "cudnn", "commit", "date")):
+    parts = []
+    for key in keys:
+        value = data.get(key)
+        if value is None:
+            continue
+        if key == "cudnn":
+            parts.append(_cudnn_label(value))
+        elif key == "fa4":
+            parts.append(f"FlashAttention-4 {value}")
+        elif key == "commit":
+            parts.append(f"flash_ext commit {value}")
+        elif key == "date":
+            parts.append(str(value)[:10])
+        else:
+            parts.append(f"{key} {value}")
+    return ", ".join(p for p in parts if p)
+
+
+def latest_run_rows(data):
+    """The rows measured by the run that wrote the file's header. A results file merged from several runs
+    (bench_attention.py --merge) stamps each row with its commit; older rows stay in the file for the tables
+    but would mix kernels of different commits in one line."""
+    commit = data.get("commit")
+    return [r for r in data["rows"] if r.get("commit", commit) == commit]
+
+
+def _tokens_label(n):
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def flash_ext_ratios(series, impls):
+    """[(impl, [(length, flash_ext / impl)])] for each impl other than flash_ext in series (impl -> [(length,
+    rate)]), at the lengths both measured."""
+    ours = dict(series.get("flash_ext", []))
+    out = []
+    for impl in impls:
+        if impl == "flash_ext" or impl not in series:
+            continue
+        theirs = dict(series[impl])
+        common = [x for x in sorted(set(ours) & set(theirs)) if theirs[x] > 0]
+        if common:
+            out.append((impl, [(x, ours[x] / theirs[x]) for x in common]))
+    return out
+
+
+def _ratio_note(ax, series, impls):
+    """The range of flash_ext's ratio to each other impl (flash_ext_ratios) in the panel's lower right; returns
+    the text ('' if none)."""
+    lines = []
+    for impl, ratios in flash_ext_ratios(series, impls):
+        lo, hi = min(r for _, r in ratios), max(r for _, r in ratios)
+        span = f"{lo:.2f}×" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}×"
+        lines.append(f"flash_ext / {SUMMARY_SHORT.get(impl, impl)}: {span}")
+    if not lines:
+        return ""
+    text = "\n".join(lines)
+    ax.text(0.97, 0.05, text, transform=ax.transAxes, ha="right", va="bottom", fontsize=8.5,
+            bbox=dict(boxstyle="round,pad=0.3", facecolor="white", edgecolor="0.8", alpha=0.9))
+    return text
+
+
+def _plot_series(ax, series, impls, handles):
+    """One line per impl of series (impl -> [(x, y)]), in impls' order; returns the x values drawn."""
+    xs = set()
+    for impl in impls:
+        if impl in series:
+            pts = sorted(series[impl])
+            xs.update(x for x, _ in pts)
+            (line,) = ax.plot(*zip(*pts), markersize=5, **IMPL_STYLE.get(impl, {}))
+            handles.setdefault(impl, line)
+    if not series:
+        ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", color="gray")
+    return xs
+
+
+def _log2_axis(ax, xs, label):
+    ax.set_xscale("log", base=2)
+    ticks = sorted(xs)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([_seqlen_label(t) for t in ticks], fontsize=8)
+    ax.minorticks_off()
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel(label, fontsize=9)
+
+
+def plot_summary(training, path_template, decode=None, impls=None):
+    """One PNG per head dim of training (a bench_attention.py result as a dict): forward and backward TFLOP/s vs
+    seqlen, non-causal and causal, of the latest run's dense bf16 rows; below them, where decode (a
+    bench_decode.py result) measured that head dim, KV TB/s vs KV length per batch (one query token, contiguous
+    cache, CUDA-graph replay). path_template holds {head_dim}. Returns one dict per figure: path, head_dim,
+    panels (each subplot's title -> its note of flash_ext's ratios, '' if none) and labels (the legend's entries)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = [i for i in SUMMARY_IMPLS if i in impls] + [i for i in impls if i not in SUMMARY_IMPLS] if impls \
+        else list(SUMMARY_IMPLS)
+    rows = [r for r in latest_run_rows(training)
+            if r["op"] in dict(SUMMARY_OPS) and r["impl"] in impls and r.get("case", "dense") == "dense"
+            and r.get("dtype", "bf16") == "bf16" and r["seqlen_q"] == r["seqlen_k"]]
+    if not rows:
+        raise ValueError("no dense bf16 fwd/bwd rows of " + ", ".join(impls) + " in the latest run")
+    head_dims = sorted({r["head_dim"] for r in rows})
+    if len(head_dims) > 1 and "{head_dim}" not in path_template:
+        raise ValueError(f"the output path {path_template!r} must contain {{head_dim}}: there are "
+                         f"{len(head_dims)} head dims ({', '.join(map(str, head_dims))})")
+
+    decode_rows, decode_hd = [], None
+    if decode is not None:
+        decode_hd = decode.get("head_dim", 128)
+        default_q = decode.get("seqlen_q", 1)
+        decode_rows = [r for r in decode["rows"] if r.get("seqlen_q", default_q) == 1 and r.get("page_size", 0) == 0
+                       and r["mode"] == "graph" and r["impl"] in impls]
+
+    results = []
+    for head_dim in head_dims:
+        hd_rows = [r for r in rows if r["head_dim"] == head_dim]
+        dec = decode_rows if head_dim == decode_hd else []
+        batches = sorted({r["batch"] for r in dec})
+        fig = plt.figure(figsize=(16, 9.0 if batches else 5.2))
+        top_in = 1.25  # inches above the subplots: the title, the legend, the subplots' titles
+        bottom_in = 1.45 if batches else 1.15  # below them: the x labels, the notes on how it was measured
+        grid = fig.add_gridspec(2 if batches else 1, 12)
+        handles = {}
+        notes_by_panel = {}  # panel title -> its ratio note
+
+        # Training: one panel per (op, causal), one y scale for the four so that heights compare.
+        top = max(r["tflops"] for r in hd_rows) * 1.1
+        train_axes = []
+        for col, (op, causal) in enumerate((op, c) for op, _ in SUMMARY_OPS for c in (False, True)):
+            ax = fig.add_subplot(grid[0, 3 * col:3 * col + 3], sharey=train_axes[0] if train_axes else None)
+            train_axes.append(ax)
+            series = {}
+            for r in hd_rows:
+                if r["op"] == op and bool(r["causal"]) == causal:
+                    series.setdefault(r["impl"], []).append((r["seqlen_q"], r["tflops"]))
+            _log2_axis(ax, _plot_series(ax, series, impls, handles), "seqlen")
+            ax.set_ylim(0, top)
+            title = f"{dict(SUMMARY_OPS)[op]}, {'causal' if causal else 'non-causal'}"
+            ax.set_title(title, fontsize=10)
+            if col == 0:
+                ax.set_ylabel("TFLOP/s", fontsize=9)
+            else:
+                ax.tick_params(axis="y", labelleft=False)
+            notes_by_panel[title] = _ratio_note(ax, series, impls)
+
+        # Decode: one panel per batch, KV TB/s.
+        bw = decode.get("read_bandwidth_tb_per_s") if batches else None
+        if batches:
+            top = max([r["kv_tb_per_s"] for r in dec] + ([bw] if bw else [])) * 1.12
+            width = 12 // len(batches)
+            dec_axes = []
+            for i, batch in enumerate(batches):
+                ax = fig.add_subplot(grid[1, width * i:width * (i + 1)], sharey=dec_axes[0] if dec_axes else None)
+                dec_axes.append(ax)
+                series = {}
+                for r in dec:
+                    if r["batch"] == batch:
+                        series.setdefault(r["impl"], []).append((r["kv_len"], r["kv_tb_per_s"]))
+                xs = _plot_series(ax, series, impls, handles)
+                if bw:
+                    line = ax.axhline(bw, color="gray", linewidth=1.1, linestyle="--")
+                    handles.setdefault("bandwidth", line)
+                _log2_axis(ax, xs, "KV cache length (tokens)")
+                ax.set_ylim(0, top)
+                title = f"decode, batch {batch}"
+                ax.set_title(title, fontsize=10)
+                if i == 0:
+                    ax.set_ylabel("KV cache read, TB/s", fontsize=9)
+                else:
+                    ax.tick_params(axis="y", labelleft=False)
+                notes_by_panel[title] = _ratio_note(ax, series, impls)
+
+        # The title and legend above, below the notes on what was measured: shapes, FLOP counts, where and when.
+        gpu = training.get("gpu", "unknown GPU")
+        tokens = sorted({r["batch"] * r["seqlen_q"] for r in hd_rows})
+        heads = sorted({r["heads"] for r in hd_rows})
+        shape = f"batch × seqlen = {_tokens_label(tokens[0])} tokens" if len(tokens) == 1 else "batch × seqlen varies"
+        shape += f", {heads[0]} heads" if len(heads) == 1 else ""
+        notes = [f"Training (top{' row' if batches else ''}): {shape}; "
+                 "FLOPs: forward 4·batch·heads·seqlen²·head_dim, halved when causal, backward 2.5× the forward; "
+                 "median time.",
+                 f"    {_run_label(training)}."]
+        if batches:
+            dec_gpu = decode.get("gpu")
+            where = f"{dec_gpu}, " if dec_gpu and dec_gpu != gpu else ""
+            notes += [f"Decode (bottom row): one query token, {decode.get('heads_q', '?')} q / "
+                      f"{decode.get('heads_kv', '?')} kv heads, contiguous {decode.get('dtype', 'bf16')} KV cache; "
+                      "KV bytes read / median time, CUDA-graph replay.",
+                      f"    {where}{_run_label(decode, ('torch', 'cudnn', 'fa4', 'commit', 'date'))}."]
+        elif decode_hd is not None:
+            notes.append(f"Decode: measured at head dim {decode_hd} only.")
+        height = fig.get_figheight()
+        fig.suptitle(f"Attention speed, head dim {head_dim}, bf16, {gpu} (higher is better)", fontsize=14,
+                     y=1 - 0.12 / height, va="top")
+        fig.text(0.045, 0.12 / height, "\n".join(notes), ha="left", va="bottom", fontsize=9, color="0.25",
+                 linespacing=1.4)
+        labels = {i: SUMMARY_TITLES.get(i, i) for i in impls if i in handles}
+        if "bandwidth" in handles:
+            labels["bandwidth"] = f"the GPU's read rate (a 1 GiB torch.sum, same run): {bw:.2f} TB/s"
+        fig.legend([handles[k] for k in labels], list(labels.values()), loc="upper center", ncol=len(labels),
+                   fontsize=10, frameon=False, bbox_to_anchor=(0.5, 1 - 0.5 / height))
+        fig.subplots_adjust(left=0.045, right=0.99, bottom=bottom_in / height, top=1 - top_in / height, wspace=0.5,
+                            hspace=0.45)
+        path = path_template.replace("{head_dim}", str(head_dim))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        results.append(dict(path=path, head_dim=head_dim, panels=notes_by_panel, labels=list(labels.values())))
+    return results
+
+
 def plot_json(json_path, path, ops=None, impls=None):
     with open(json_path) as f:
         data = json.load(f)
@@ -217,15 +453,40 @@ def plot_json(json_path, path, ops=None, impls=None):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("json", help="benchmark JSON written by bench_attention.py or bench_decode.py")
-    p.add_argument("-o", "--output", help="PNG path (default: the JSON path with .png)")
+    p.add_argument("json", nargs="+", help="benchmark JSON written by bench_attention.py or bench_decode.py; with "
+                                           "--summary a bench_attention.py JSON and optionally a bench_decode.py one")
+    p.add_argument("-o", "--output", help="PNG path (default: the JSON path with .png; with --summary the "
+                                          "bench_attention.py JSON's path with _hd{head_dim}.png)")
     p.add_argument("--ops", help="comma list to keep (default all; bench_attention.py JSONs)")
     p.add_argument("--impls", help="comma list to keep (default all; for a bench_decode.py JSON "
-                                   + ",".join(DECODE_DEFAULT_IMPLS) + ")")
+                                   + ",".join(DECODE_DEFAULT_IMPLS) + "; with --summary "
+                                   + ",".join(SUMMARY_IMPLS) + ")")
+    p.add_argument("--summary", action="store_true", help="one figure per head dim: fwd, bwd and decode (see above)")
     args = p.parse_args(argv)
-    out = args.output or os.path.splitext(args.json)[0] + ".png"
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()] if s else None  # noqa: E731
-    n = plot_json(args.json, out, ops=split(args.ops), impls=split(args.impls))
+    if args.summary:
+        loaded = {}
+        for path in args.json:
+            with open(path) as f:
+                data = json.load(f)
+            kind = "decode" if is_decode(data) else "training"
+            if kind in loaded:
+                p.error(f"--summary takes one bench_attention.py JSON and at most one bench_decode.py JSON; "
+                        f"{loaded[kind][0]} and {path} are both {kind} results")
+            loaded[kind] = (path, data)
+        if "training" not in loaded:
+            p.error("--summary needs a bench_attention.py JSON (the fwd / bwd rows)")
+        if args.ops:
+            p.error("--ops does not apply to --summary (it plots fwd and bwd)")
+        template = args.output or os.path.splitext(loaded["training"][0])[0] + "_hd{head_dim}.png"
+        decode = loaded["decode"][1] if "decode" in loaded else None
+        for fig in plot_summary(loaded["training"][1], template, decode=decode, impls=split(args.impls)):
+            print(f"{fig['path']}: head dim {fig['head_dim']}, {len(fig['panels'])} subplots")
+        return
+    if len(args.json) != 1:
+        p.error("one JSON at a time (several only with --summary)")
+    out = args.output or os.path.splitext(args.json[0])[0] + ".png"
+    n = plot_json(args.json[0], out, ops=split(args.ops), impls=split(args.impls))
     print(f"{out}: {n} subplots")
 
 
