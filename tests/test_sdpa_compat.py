@@ -201,37 +201,40 @@ def additive(mask, dtype=torch.float32, masked=float("-inf")):
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, masked)
 
 
-DENSE_MASKS = {
-    # name: (the mask as a function of (seqlen_q, seqlen_k, device), the options flash_ext.attention gets, the
-    # number of keys it gets: those that some query sees)
-    "all_true": (lambda sq, sk, d: torch.ones(sq, sk, dtype=torch.bool, device=d), dict(causal=False),
-                 lambda sq, sk: sk),
-    "top_left_causal": (lambda sq, sk, d: causal(sq, sk, device=d), dict(causal=True), lambda sq, sk: sq),
-    "bottom_right_causal": (lambda sq, sk, d: causal(sq, sk, sk - sq, device=d), dict(causal=True),
-                            lambda sq, sk: sk),
-    "transformer_additive": (lambda sq, sk, d: additive(causal(sq, sk, sk - sq, device=d)), dict(causal=True),
-                             lambda sq, sk: sk),
-    "sliding_window": (lambda sq, sk, d: causal(sq, sk, sk - sq, device=d) & ~causal(sq, sk, sk - sq - 9, device=d),
-                       dict(causal=True, window_size=(8, -1)), lambda sq, sk: sq + 8),
-    "batch_and_heads_dims": (lambda sq, sk, d: causal(sq, sk, sk - sq, device=d)[None, None].expand(2, 4, sq, sk),
-                             dict(causal=True), lambda sq, sk: sk),
-}
+def dense_mask_cases(seqlen_q, seqlen_k):
+    """name: (mask, the options flash_ext.attention gets, the number of keys it gets: those some query sees),
+    for masks on the CPU."""
+    sq, sk = seqlen_q, seqlen_k
+    bottom_right = causal(sq, sk, sk - sq)
+    top_left = (dict(causal=True, window_size=(-1, -1)), sq) if sq <= sk else (
+        dict(causal=False, window_size=(-1, sq - sk)), sk)
+    return {
+        "all_true": (torch.ones(sq, sk, dtype=torch.bool), dict(causal=False, window_size=(-1, -1)), sk),
+        "top_left_causal": (causal(sq, sk), *top_left),
+        "bottom_right_causal": (bottom_right, dict(causal=True, window_size=(-1, -1)), sk),
+        "transformer_additive": (additive(bottom_right), dict(causal=True, window_size=(-1, -1)), sk),
+        "sliding_window": (bottom_right & ~causal(sq, sk, sk - sq - 9), dict(causal=True, window_size=(8, -1)),
+                           min(sk, sq + 8)),
+        "batch_and_heads_dims": (bottom_right[None, None].expand(2, 4, sq, sk),
+                                 dict(causal=True, window_size=(-1, -1)), sk),
+    }
 
 
 @parametrize_devices(
-    cpu=dict(mask=list(DENSE_MASKS), dtype=[torch.bfloat16], head_dim=[32]),
-    cuda=dict(mask=list(DENSE_MASKS), dtype=[torch.bfloat16], head_dim=[128]),
+    cpu=dict(mask=list(dense_mask_cases(1, 1)), seqlens=[(30, 47), (47, 30)], dtype=[torch.bfloat16],
+             head_dim=[32]),
+    cuda=dict(mask=list(dense_mask_cases(1, 1)), seqlens=[(200, 300), (300, 200)], dtype=[torch.bfloat16],
+              head_dim=[128]),
 )
-def test_masks_that_run_the_dense_kernels(device, mask, dtype, head_dim, calls):
+def test_masks_that_run_the_dense_kernels(device, mask, seqlens, dtype, head_dim, calls):
     """A mask whose rows are the same for every batch row runs one dense call, on the keys the mask uses."""
-    make_mask, options, keys = DENSE_MASKS[mask]
-    seqlen_q, seqlen_k = (30, 47) if device == "cpu" else (200, 300)
-    q, k, v = make(2, 4, 4, seqlen_q, seqlen_k, head_dim, dtype, device)
-    check_sdpa(q, k, v, attn_mask=make_mask(seqlen_q, seqlen_k, device))
+    attn_mask, options, keys = dense_mask_cases(*seqlens)[mask]
+    q, k, v = make(2, 4, 4, *seqlens, head_dim, dtype, device)
+    check_sdpa(q, k, v, attn_mask=attn_mask.to(device), scale=0.3)
     assert kinds(calls) == ["dense"]
     _, args, kwargs = calls[0]
-    assert {name: kwargs[name] for name in options} == options
-    assert args[1].shape[1] == keys(seqlen_q, seqlen_k)
+    assert kwargs == dict(options, softmax_scale=0.3, dropout_p=0.0)
+    assert args[1].shape[1] == keys
 
 
 # ---- Masks that run the varlen kernels -------------------------------------------------------------
@@ -272,8 +275,9 @@ def test_padding_masks(device, form, seqlens, dtype, calls):
     head_dim = 32 if device == "cpu" else 128
     mask = padding_mask(form, lengths, seqlen_q, seqlen_k, device)
     q, k, v = make(len(lengths), 4, 2, seqlen_q, seqlen_k, head_dim, dtype, device)
-    out, (dq, dk, dv) = check_sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    out, (dq, dk, dv) = check_sdpa(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.2)
     assert kinds(calls) == PADDING_FORMS[form]
+    assert all(kwargs["softmax_scale"] == 0.2 for _, _, kwargs in calls)
     seen_by_none = ~mask.any(-2).squeeze(1)  # (batch, seqlen_k)
     assert not dk.transpose(1, 2)[seen_by_none].any() and not dv.transpose(1, 2)[seen_by_none].any()
     assert not out[2].any() and not dq[2].any()  # the sequence without keys
