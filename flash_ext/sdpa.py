@@ -19,7 +19,8 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .interface import _as_bool, _as_real, _check_tensor, _describe, attention, attention_varlen
+from .interface import (_as_bool, _as_real, _check_tensor, _describe, attention, attention_varlen,
+                        attention_with_kvcache)
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -308,10 +309,19 @@ def _run_band(layout: _Layout, band: _Band, scale: Optional[float], dropout_p: f
         if (start, end) != (0, seqlen_k):
             k, v = k[:, start:end], v[:, start:end]
         return attention(q, k, v, **options)
+    row_start, row_end, key_start, key_end = band.row_start, band.row_end, band.key_start, band.key_end
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if not needs_grad and dropout_p == 0 and bool((row_start == 0).all()) and bool((row_end == seqlen_q).all()):
+        # Inference (forward only, no dropout): the KV-cache op reads each batch row's keys
+        # [key_start, key_end) where they are, with the same bottom-right band (no copy of the keys; on CUDA
+        # the decode kernel, for head dims 64 / 128 / 256 and up to 128 query rows per kv head).
+        return attention_with_kvcache(q, k, v, cache_seqlens=key_end.to(device=q.device, dtype=torch.int32),
+                                      cache_leftpad=key_start.to(device=q.device, dtype=torch.int32),
+                                      causal=options["causal"], window_size=options["window_size"],
+                                      softmax_scale=scale)
     # Varlen over the flattened batch: per batch row, the keys before its range (a sequence with no query),
     # the queries before its rows (no key), the band itself, the queries after its rows (no key); then the
     # keys after the last range. Empty sequences are dropped.
-    row_start, row_end, key_start, key_end = band.row_start, band.row_end, band.key_start, band.key_end
     previous_key_end = torch.cat([torch.zeros(1, dtype=torch.int64), key_end[:-1] - seqlen_k])
     zero = torch.zeros(batch, dtype=torch.int64)
     queries = torch.stack([zero, row_start, row_end - row_start, seqlen_q - row_end], 1).flatten()
@@ -410,22 +420,27 @@ scaled_dot_product_attention.__doc__ = """torch.nn.functional.scaled_dot_product
                 (transformers' generation masks, also with a static cache);
               - causal with right padding (transformers' training masks): the rows past a sequence's end,
                 which see all of its keys, run as a second call whose output is added.
-            A mask whose rows all see the same keys runs the dense kernels on those keys; other forms run the
-            varlen kernels over the flattened batch, the masked-out keys and rows becoming sequences without
-            queries or keys (query, key and value are reshaped to (batch * seqlen, heads, head_dim), a copy
-            unless their strides allow a view). Other masks (arbitrary patterns, additive biases, per-head masks,
-            block-diagonal masks of packed documents) raise a ValueError that lists these forms (use
-            flash_ext.attention_varlen for packed documents). A row that sees no key returns 0 with zero
-            gradients, as SDPA's math backend (torch >= 2.5); a row masked only by finfo.min (where SDPA returns
-            an average over all keys) is an error. attn_mask gets no gradient (one that requires grad is
+            A mask whose rows all see the same keys runs the dense kernels on those keys. Otherwise, in
+            inference (grad mode off or no input requiring grad) without dropout, a key range per batch row
+            shared by all its rows (padding; causal with left padding) runs flash_ext.attention_with_kvcache
+            with cache_leftpad / cache_seqlens = the range (on CUDA its decode kernel reads key and value in
+            place: head dims 64 / 128 / 256, up to 128 query rows per kv head; else it gathers the keys in the
+            ranges); every other
+            case runs the varlen kernels over the flattened batch, the masked-out keys and rows becoming
+            sequences without queries or keys (query, key and value are reshaped to (batch * seqlen, heads,
+            head_dim): a copy unless their strides allow a view). Other masks (arbitrary patterns, additive
+            biases, per-head masks, block-diagonal masks of packed documents) raise a ValueError that lists
+            these forms (use flash_ext.attention_varlen for packed documents). A row that sees no key returns
+            0 with zero gradients, as SDPA's math backend (torch >= 2.5); a row masked only by finfo.min (where
+            SDPA returns an average over all keys) is an error. attn_mask gets no gradient (one that requires grad is
             rejected).
         dropout_p: in [0, 1): drops attention probabilities with flash_ext's dropout (Philox, seeded from
             torch's generator of the device, so torch.manual_seed reproduces it). Applied whenever > 0, as in
             SDPA (pass `p if self.training else 0.0`). The elements dropped differ from torch's, the
             distribution is the same. SDPA's dropout_p = 1 (all zeros) is rejected.
         is_causal: SDPA's top-left causal mask, query i sees keys j <= i (flash_ext.attention's causal is
-            bottom-right aligned; this maps it). With seqlen_q > seqlen_k the rows i >= seqlen_k see every key,
-            so no row is empty unless seqlen_k = 0 (then all rows are 0). Not with attn_mask (as SDPA).
+            bottom-right aligned; this maps it). With seqlen_q > seqlen_k the rows i >= seqlen_k - 1 see every
+            key; no row is empty unless seqlen_k = 0 (then every row is 0, as in SDPA). Not with attn_mask (as SDPA).
         scale: multiplies query·keyᵀ; None is 1/sqrt(head_dim). Must be finite and > 0 (SDPA also takes zero
             or negative scales).
         enable_gqa: as SDPA: heads_q a multiple of heads_kv, query head h uses key/value head

@@ -105,7 +105,8 @@ def make(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, device="
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The flash_ext calls that scaled_dot_product_attention makes: ("dense" | "varlen", args, kwargs)."""
+    """The flash_ext calls that scaled_dot_product_attention makes: ("dense" | "varlen" | "kvcache", args,
+    kwargs)."""
     recorded = []
 
     def recording(kind, function):
@@ -116,6 +117,8 @@ def calls(monkeypatch):
 
     monkeypatch.setattr(sdpa_module, "attention", recording("dense", sdpa_module.attention))
     monkeypatch.setattr(sdpa_module, "attention_varlen", recording("varlen", sdpa_module.attention_varlen))
+    monkeypatch.setattr(sdpa_module, "attention_with_kvcache",
+                        recording("kvcache", sdpa_module.attention_with_kvcache))
     return recorded
 
 
@@ -314,6 +317,31 @@ def test_static_cache_and_sliding_window_with_left_padding(device, dtype, calls)
     check_sdpa(q, k, v, attn_mask=(window & keys[:, None])[:, None])
     assert kinds(calls) == ["varlen", "varlen"]
     assert calls[1][2]["window_size"] == (15, -1) and calls[1][2]["causal"]
+
+
+@parametrize_devices(
+    cpu=dict(form=["keys_right", "keys_left", "causal_left"], seqlens=[(1, 40), (33, 33)], head_dim=[32]),
+    cuda=dict(form=["keys_right", "causal_left"], seqlens=[(1, 400), (16, 400), (300, 300)], head_dim=[128, 96]),
+)
+def test_inference_reads_the_keys_in_place(device, form, seqlens, head_dim, calls):
+    """Without gradients and dropout, a key range per batch row over every query row (padding, causal with left
+    padding: generation) runs flash_ext.attention_with_kvcache's kernels on the keys where they are; causal with
+    right padding still takes the varlen calls (its two bands do not cover every row)."""
+    seqlen_q, seqlen_k = seqlens
+    lengths = [seqlen_k, seqlen_k // 2, 0, 3]
+    mask = padding_mask(form, lengths, seqlen_q, seqlen_k, device)
+    q, k, v = make(len(lengths), 4, 2, seqlen_q, seqlen_k, head_dim, torch.bfloat16, device, layout="contiguous")
+    with torch.no_grad():
+        check_sdpa(q, k, v, attn_mask=mask, enable_gqa=True, backward=False)
+    assert kinds(calls) == ["kvcache"]
+    _, (_, k_used, v_used), _ = calls[0]
+    assert k_used.data_ptr() == k.data_ptr() and v_used.data_ptr() == v.data_ptr()
+    calls.clear()
+    with torch.no_grad():
+        check_sdpa(q, k, v, attn_mask=padding_mask("causal_right", lengths, seqlen_q, seqlen_k, device),
+                   enable_gqa=True, backward=False)
+    # One query row is only key padding.
+    assert kinds(calls) == (["varlen", "varlen"] if seqlen_q > 1 else ["kvcache"])
 
 
 @parametrize_devices(cpu=dict(dtype=[torch.float32]), cuda=dict(dtype=[torch.bfloat16]))
