@@ -369,6 +369,57 @@ def test_empty_sequences(device, seqlens):
         assert out.shape == (2, 2, seqlen_q, 16) and not out.any()
 
 
+def random_masks(count, seed=0):
+    """(family, mask (batch, 1, seqlen_q, seqlen_k)) for random shapes: "band" is a supported form (a causal or
+    windowed band at a random offset, with left padding, or with right padding and no left window side),
+    "ranges" random key ranges per row, "pattern" random masks."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randint(low, high):
+        return int(torch.randint(low, high + 1, (), generator=generator))
+
+    for index in range(count):
+        batch, seqlen_q, seqlen_k = randint(1, 4), randint(1, 12), randint(1, 12)
+        i, j = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)[None]
+        family = ("band", "ranges", "pattern")[index % 3]
+        if family == "band":
+            side = ("left", "right")[randint(0, 1)]
+            left = -1 if side == "right" or randint(0, 1) else randint(0, 6)
+            right, offset = (-1 if randint(0, 3) == 0 else randint(0, 6)), randint(-5, 5)
+            band = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+            if left >= 0:
+                band &= j >= i + offset - left
+            if right >= 0:
+                band &= j <= i + offset + right
+            keys = padding([randint(0, seqlen_k) for _ in range(batch)], seqlen_k, side)
+            mask = band[None] & keys[:, None]
+        elif family == "ranges":
+            start = torch.randint(0, seqlen_k + 1, (batch, seqlen_q, 1), generator=generator)
+            end = torch.randint(0, seqlen_k + 1, (batch, seqlen_q, 1), generator=generator)
+            mask = (j >= start) & (j < end)
+        else:
+            mask = torch.rand(batch, seqlen_q, seqlen_k, generator=generator) > 0.3
+        yield family, mask[:, None]
+
+
+def test_random_masks_are_exact_or_rejected():
+    """Every mask that is accepted gives SDPA's result; the supported forms are accepted."""
+    accepted = {"band": 0, "ranges": 0, "pattern": 0}
+    for family, mask in random_masks(90):
+        batch, _, seqlen_q, seqlen_k = mask.shape
+        q, k, v = make(batch, 2, 2, seqlen_q, seqlen_k, 8, torch.float32)
+        try:
+            out = sdpa(q, k, v, attn_mask=mask)
+        except ValueError as error:
+            assert family != "band", f"a supported mask is rejected: {error}\n{mask[:, 0].int()}"
+            assert "supported attn_mask forms" in str(error)
+            continue
+        accepted[family] += 1
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+        assert (out.double() - ref).abs().max() < 1e-5, mask[:, 0].int()
+    assert accepted["band"] == 30 and accepted["ranges"] + accepted["pattern"] > 0, accepted
+
+
 # ---- Masks that are rejected -------------------------------------------------------------------
 
 
