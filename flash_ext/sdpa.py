@@ -185,7 +185,7 @@ def _mask_rows(attn_mask: Tensor, layout: _Layout) -> _Rows:
         # not the zeros flash_ext gives a row that sees no key.
         finite_only = ~visible.any(-1) & finite_masked.any(-1)
         reason = torch.where(bad_value.any(-1), _ROW_BAD_VALUE, torch.where(finite_only, _ROW_FINITE_ONLY, _ROW_OK))
-    as_bytes = visible.to(torch.uint8)
+    as_bytes = visible.view(torch.uint8)  # argmax takes no bool; the same bytes, no copy
     start = as_bytes.argmax(-1)  # the first visible key (the first maximum)
     end = seqlen_k - as_bytes.flip(-1).argmax(-1)
     count = as_bytes.sum(-1, dtype=torch.int64)
