@@ -16,5 +16,6 @@ from . import _ops  # noqa: F401  (fake and autograd registrations)
 from . import reference, testing
 from ._info import info, kernel_path
 from .interface import attention, attention_varlen, attention_with_kvcache
+from .sdpa import scaled_dot_product_attention
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "info", "kernel_path", "reference", "testing", "__version__"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "info", "kernel_path", "reference", "testing", "scaled_dot_product_attention", "__version__"]
