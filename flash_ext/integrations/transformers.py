@@ -22,18 +22,20 @@ seqlen_k, head_dim), as transformers passes them; returns (out (batch, seqlen_q,
   cu_seq_lens_k / max_length_q / max_length_k keywords (DataCollatorWithFlattening with
   return_flash_attn_kwargs=True) when given, else from position_ids (a new sequence wherever a position
   is not the previous one + 1, as transformers' own masks decide): flash_ext.attention_varlen.
-- inference (nothing requires grad, no dropout) with a cache (seqlen_q < seqlen_k, or a static cache):
-  flash_ext.attention_with_kvcache, which reads the cache in place (on CUDA the split-KV decode kernel);
-  left-padded rows through cache_leftpad. Other padding takes the varlen path.
+- inference (nothing requires grad, no dropout) with cached keys (seqlen_q < seqlen_k, or a static cache's
+  buffer) or with rows padded on the left only (as generate() pads them): flash_ext.attention_with_kvcache
+  on the keys transformers' cache returns, read in place (on CUDA, head dims 64/128/256, the split-KV
+  decode kernel), padding through cache_leftpad. transformers' Cache.update has already appended the new
+  keys, so attention_with_kvcache's own append (and rotary) is not used. Other padding takes the varlen path.
 - sliding_window w: causal layers see the w most recent keys, themselves included (window (w - 1, 0));
   bidirectional ones the keys within distance w (window (w, w)), as transformers' masks define them.
 - softcap (Gemma 2's attn_logit_softcapping), dropout (the layer's attention_dropout in training), GQA
   (k and v are never repeated) and `scaling` pass through to flash_ext.
 
 Not supported, with an error: 4-D masks (user-built or a model's own), attention sinks (s_aux),
-position_bias, and masks that overlay custom patterns on the causal one (or_mask_function /
-and_mask_function: multimodal models' bidirectional image blocks). Not detected: chunked attention
-(Llama 4), whose chunk pattern a padding mask cannot carry.
+position_bias, chunked attention (configs with attention_chunk_size, Llama 4), and masks that overlay
+custom patterns on the causal one (or_mask_function / and_mask_function: multimodal models' bidirectional
+image blocks).
 
 Host syncs: the mask builder reads the cache's length when a static cache is in use and checks whether a
 2-D mask has padding (once per forward); a layer call with padding, or with position_ids and no mask,
@@ -93,9 +95,9 @@ def register(name: str = ATTN_IMPLEMENTATION) -> str:
 # ---- the mask builder ------------------------------------------------------------------------------
 
 
-def key_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
-                     mask_function: Any = None, attention_mask: Optional[Tensor] = None,
-                     **kwargs: Any) -> Optional[Tensor]:
+def key_padding_mask(batch_size: int, q_length: Optional[int] = None, kv_length: Optional[int] = None,
+                     q_offset: Any = 0, kv_offset: int = 0, mask_function: Any = None,
+                     attention_mask: Optional[Tensor] = None, **kwargs: Any) -> Optional[Tensor]:
     """transformers' mask-interface function for flash_ext: None, or a bool (batch, L) mask of the keys a layer
     call gets: True for a real token, False for padding.
 
@@ -103,8 +105,16 @@ def key_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: A
     columns are the layer call's keys. For causal masks, L is the number of keys the cache has written
     (q_offset + q_length - kv_offset, at most kv_length): a static cache hands the layer its whole buffer, and
     the layer call uses its first L rows. For bidirectional ones (encoders, cross-attention) L = kv_length.
-    None means all kv_length keys are real.
+    None means all kv_length keys are real. transformers versions that pass cache_position (the queries'
+    positions) instead of q_length and q_offset are served too.
     """
+    if q_length is None:
+        cache_position = kwargs["cache_position"]
+        q_length, q_offset = cache_position.shape[0], (cache_position[0] if cache_position.numel() else 0)
+    if getattr(kwargs.get("config"), "attention_chunk_size", None) is not None:
+        raise NotImplementedError(
+            "flash_ext (transformers integration): chunked attention (config.attention_chunk_size) is not supported: "
+            "flash_ext's masks are causal, sliding-window and padding masks; use attn_implementation='sdpa'")
     if kwargs.get("use_vmap"):
         raise NotImplementedError(
             "flash_ext (transformers integration): this model overlays a custom pattern on the causal mask "
@@ -167,8 +177,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                                       "attn_implementation='eager' or 'sdpa' for this model")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"flash_ext (transformers integration): {name} must be a 4-D tensor (batch, heads, seqlen, "
-                             f"head_dim), got {_flash._describe(t)}")
+            raise ValueError(f"flash_ext (transformers integration): {name} must be a 4-D tensor (batch, heads, "
+                             f"seqlen, head_dim), got {_flash._describe(t)}")
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -258,8 +268,8 @@ def _check_mask(attention_mask: Any, batch: int, seqlen_k: int) -> Optional[Tens
             "masks itself and takes no arbitrary 4-D masks. Pass the 2-D padding mask to the model (it builds the "
             "rest), or use attn_implementation='sdpa' for a custom mask")
     if attention_mask.shape[0] != batch or attention_mask.shape[1] > seqlen_k:
-        raise ValueError(f"flash_ext (transformers integration): attention_mask has shape {tuple(attention_mask.shape)}; "
-                         f"expected (batch={batch}, at most seqlen_k={seqlen_k})")
+        raise ValueError("flash_ext (transformers integration): attention_mask has shape "
+                         f"{tuple(attention_mask.shape)}; expected (batch={batch}, at most seqlen_k={seqlen_k})")
     return attention_mask.to(torch.bool)
 
 
