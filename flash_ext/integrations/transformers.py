@@ -20,8 +20,9 @@ seqlen_k, head_dim), as transformers passes them; returns (out (batch, seqlen_q,
   flash_ext.attention_varlen, and scattered back; padded query rows get zeros.
 - packed sequences (batch rows holding several sequences, no mask): from transformers' cu_seq_lens_q /
   cu_seq_lens_k / max_length_q / max_length_k keywords (DataCollatorWithFlattening with
-  return_flash_attn_kwargs=True) when given, else from position_ids (a new sequence wherever a position
-  is not the previous one + 1, as transformers' own masks decide): flash_ext.attention_varlen.
+  return_flash_attn_kwargs=True) when given, else from position_ids of shape (batch, seqlen) (a new
+  sequence wherever a position is not the previous one + 1, as transformers' own masks decide; the shared
+  (1, seqlen) row that models make for batch > 1 is not read): flash_ext.attention_varlen.
 - inference (nothing requires grad, no dropout) with cached keys (seqlen_q < seqlen_k, or a static cache's
   buffer) or with rows padded on the left only (as generate() pads them): flash_ext.attention_with_kvcache
   on the keys transformers' cache returns, read in place (on CUDA, head dims 64/128/256, the split-KV
@@ -38,8 +39,9 @@ custom patterns on the causal one (or_mask_function / and_mask_function: multimo
 image blocks).
 
 Host syncs: the mask builder reads the cache's length when a static cache is in use and checks whether a
-2-D mask has padding (once per forward); a layer call with padding, or with position_ids and no mask,
-reads lengths from the device (once per layer), as transformers' flash-attention path does.
+2-D mask has padding (once per forward); a layer call with padding, or with (batch, seqlen) position_ids
+and no mask (batch 1 included), reads lengths from the device (once per layer), as transformers'
+flash-attention path does; under torch.compile each is a graph break.
 """
 from __future__ import annotations
 
@@ -329,11 +331,14 @@ def _packing(kwargs: dict, batch: int, seqlen_q: int, seqlen_k: int,
         cu_q, cu_k, max_q, max_k = given
         return (cu_q.to(device=device, dtype=torch.int32), cu_k.to(device=device, dtype=torch.int32), int(max_q),
                 int(max_k))
+    # Only position ids with a row per batch row are read: models make a single shared row, (1, seqlen), when
+    # none are passed, and skipping it keeps batches of plain rows free of a host sync (and of a graph break
+    # under torch.compile).
     position_ids = kwargs.get("position_ids")
-    if (not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != seqlen_q
-            or seqlen_q != seqlen_k or seqlen_q < 2 or position_ids.shape[0] not in (1, batch)):
+    if (not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape != (batch, seqlen_q)
+            or seqlen_q != seqlen_k or seqlen_q < 2):
         return None
-    positions = position_ids.to(device).expand(batch, seqlen_q)
+    positions = position_ids.to(device)
     starts = torch.ones_like(positions, dtype=torch.bool)
     starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
     if not bool(starts[:, 1:].any()):
