@@ -84,12 +84,13 @@ def main(argv=None):
 
     model.set_attn_implementation("sdpa")
     sdpa_tokens, sdpa_rate = timed_generate(model, ids, mask, args.max_new_tokens, "dynamic", args.steps, args.compile)
-    print(f"  sdpa                      {sdpa_rate:10.1f} tokens/s")
+    print(f"  {'sdpa, dynamic cache':24s}{sdpa_rate:10.1f} tokens/s")
     model.set_attn_implementation(name)
     for cache in ("dynamic", "static"):
         tokens, rate = timed_generate(model, ids, mask, args.max_new_tokens, cache, args.steps, args.compile)
         same = "yes" if torch.equal(tokens, sdpa_tokens) else "no"
-        print(f"  flash_ext, {cache:7s} cache    {rate:10.1f} tokens/s   same greedy tokens as sdpa: {same}")
+        label = f"flash_ext, {cache} cache"
+        print(f"  {label:24s}{rate:10.1f} tokens/s   same greedy tokens as sdpa: {same}")
     print("  first sequence's new tokens:", tokens[0].tolist())
 
 
