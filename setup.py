@@ -118,7 +118,7 @@ os.environ.setdefault("MAX_JOBS", default_max_jobs())
 
 setup(
     version=read_version(),
-    packages=["flash_ext"],
+    packages=["flash_ext", "flash_ext.integrations"],
     ext_modules=[make_extension()],
     cmdclass={"build_ext": BuildExtension},
 )
