@@ -88,6 +88,8 @@ FEATURES = {
         dropout_p=0.17, deterministic=True),
 }
 OPTION_NAMES = [name for name, _ in _OPTIONS]
+# The grid's options (canonical values: -1 for an unbounded side, softcap >= 0) have the same names and meanings
+# as flash_ext's keywords, so the flash_ext call a flash-attn call maps to takes them as they are.
 
 
 def positional_options(options, return_attn_probs):
@@ -95,11 +97,6 @@ def positional_options(options, return_attn_probs):
     defaults = dict(_OPTIONS)
     values = {**defaults, **options, "return_attn_probs": return_attn_probs}
     return [values[name] for name in OPTION_NAMES]
-
-
-def flash_ext_options(options):
-    """The same options as flash_ext keywords (flash-attn's names; causal and the rest as given)."""
-    return {name: value for name, value in options.items() if name != "return_attn_probs"}
 
 
 def fresh_seed():
@@ -134,7 +131,7 @@ def check_dense_call(packing, q, k, v, options):
     result = DENSE_FUNCTIONS[packing](*leaves, *positional_options(options, return_attn_probs=not dropout))
     torch.manual_seed(seed)
     with torch.no_grad():
-        out_ext, lse_ext, rng_state = attention_with_rng_state(q, k, v, **flash_ext_options(options))
+        out_ext, lse_ext, rng_state = attention_with_rng_state(q, k, v, **options)
     if dropout:
         out, lse = result, lse_ext
     else:
@@ -219,8 +216,7 @@ def check_varlen_call(packing, q, k, v, cu_q, cu_k, options):
     result = VARLEN_FUNCTIONS[packing](*leaves, *indices, *positional_options(options, return_attn_probs=not dropout))
     torch.manual_seed(seed)
     with torch.no_grad():
-        out_ext, lse_ext, rng_state = attention_varlen_with_rng_state(q, k, v, cu_q, cu_k, max_q, max_k,
-                                                                      **flash_ext_options(options))
+        out_ext, lse_ext, rng_state = attention_varlen_with_rng_state(q, k, v, cu_q, cu_k, max_q, max_k, **options)
     if dropout:
         out, lse = result, lse_ext
     else:
