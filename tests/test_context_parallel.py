@@ -1,0 +1,150 @@
+"""flash_ext.distributed: ring attention over a sharded sequence, against attention over the whole one.
+
+Two kinds of tests:
+- the ring's steps run in one process for every simulated rank in turn (the per-block forward,
+  merge and backward, no communication): CPU float32, and on CUDA float16 / bfloat16 (the CUDA
+  per-block path);
+- real process groups (gloo, CPU, world sizes 1 to 4, spawned processes): context_parallel_attention
+  with its P2P ring, its autograd, and shard / unshard. Each spawned world runs many cases, since
+  starting processes costs seconds.
+
+Results are checked with the project's tolerance rule against the float64 reference on the gathered
+sequence.
+"""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flash_ext
+from devices import parametrize_devices
+from flash_ext.distributed import (_backward_block, _block_pairs, _chunks_per_rank, _forward_block, _local_part,
+                                   _reassemble, context_parallel_attention, shard, unshard)
+from flash_ext.reference import attention_ref
+from tolerance import assert_forward_within_tolerance, assert_gradients_within_tolerance
+
+# (layout, causal, heads_q, heads_kv, chunk_len): GQA and odd chunk lengths throughout.
+CASES = [
+    ("zigzag", True, 4, 2, 5),
+    ("zigzag", False, 2, 1, 7),
+    ("contiguous", True, 2, 2, 7),
+    ("contiguous", False, 4, 2, 5),
+]
+
+
+def _inputs(world, layout, heads_q, heads_kv, chunk_len, dtype, device, seed, head_dim=16, batch=2):
+    generator = torch.Generator().manual_seed(seed)
+    seqlen = world * _chunks_per_rank(layout) * chunk_len
+
+    def make(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    q = make(batch, seqlen, heads_q, head_dim)
+    k, v = make(batch, seqlen, heads_kv, head_dim), make(batch, seqlen, heads_kv, head_dim)
+    return q, k, v, make(batch, seqlen, heads_q, head_dim)
+
+
+def _simulated_ring(q, k, v, dout, world, layout, causal, scale, softcap=0.0):
+    """The ring's steps for every rank in one process: (out, lse, dq, dk, dv) of the whole sequence."""
+    parts = [[_local_part(t, r, world, layout) for r in range(world)] for t in (q, k, v, dout)]
+    qs, ks, vs, douts = parts
+    chunk_len = qs[0].shape[1] // _chunks_per_rank(layout)
+    outs, lses = [], []
+    for r in range(world):
+        acc_out = torch.zeros(qs[r].shape[:3] + vs[r].shape[3:], dtype=torch.float32, device=q.device)
+        acc_lse = torch.full(qs[r].shape[:1] + qs[r].shape[2:3] + qs[r].shape[1:2], float("-inf"), device=q.device)
+        for step in range(world):
+            src = (r - step) % world  # the block rank r holds at this step of the ring
+            _forward_block(qs[r], ks[src], vs[src], _block_pairs(r, src, world, layout, chunk_len, causal), acc_out,
+                           acc_lse, scale, softcap)
+        outs.append(acc_out.to(q.dtype))
+        lses.append(acc_lse)
+    dqs = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in qs]
+    dks = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in ks]
+    dvs = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in vs]
+    for r in range(world):
+        for step in range(world):
+            src = (r - step) % world
+            _backward_block(douts[r], qs[r], ks[src], vs[src], outs[r], lses[r],
+                            _block_pairs(r, src, world, layout, chunk_len, causal), dqs[r], dks[src], dvs[src],
+                            scale, softcap, False)
+    out = _reassemble(outs, layout)
+    lse = _reassemble(lses, layout, dim=2)
+    grads = [_reassemble([g.to(q.dtype) for g in gs], layout) for gs in (dqs, dks, dvs)]
+    return out, lse, grads
+
+
+@parametrize_devices(cpu=dict(dtype=[torch.float32]), cuda=dict(dtype=[torch.float16, torch.bfloat16]))
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_simulated_ring_matches_full_attention(device, dtype, world):
+    for index, (layout, causal, heads_q, heads_kv, chunk_len) in enumerate(CASES):
+        if device == "cuda":
+            chunk_len *= 16  # several kernel tiles per block, still odd-sized edges
+        q, k, v, dout = _inputs(world, layout, heads_q, heads_kv, chunk_len, dtype, device, seed=index,
+                                head_dim=16 if device == "cpu" else 64)
+        softcap = 5.0 if index == 0 else 0.0  # the merge is exact with softcap too
+        scale = q.shape[-1] ** -0.5
+        out, lse, grads = _simulated_ring(q, k, v, dout, world, layout, causal, scale, softcap)
+        assert_forward_within_tolerance(out, lse, attention_ref, q, k, v, causal=causal, softcap=softcap)
+        assert_gradients_within_tolerance(grads, dout, attention_ref, (q, k, v), causal=causal, softcap=softcap)
+
+
+def test_block_pairs_skip_the_future_and_balance_zigzag():
+    world, chunk_len = 4, 3
+    # contiguous, causal: rank 2 sees ranks 0, 1 fully, itself on the diagonal, rank 3 not at all
+    assert [len(_block_pairs(2, s, world, "contiguous", chunk_len, True)) for s in range(world)] == [1, 1, 1, 0]
+    assert _block_pairs(2, 2, world, "contiguous", chunk_len, True)[0][2] is True
+    # zigzag, causal: every rank computes the same number of chunk pairs: r + 1 for chunk r, 2W - r for chunk 2W-1-r
+    totals = [sum(len(_block_pairs(r, s, world, "zigzag", chunk_len, True)) for s in range(world))
+              for r in range(world)]
+    assert totals == [2 * world + 1] * world, totals
+    diagonal = [p for s in range(world) for p in _block_pairs(1, s, world, "zigzag", chunk_len, True) if p[2]]
+    assert len(diagonal) == 2
+
+
+# ---- Real process groups ----------------------------------------------------------------------------
+
+
+def _check_case(rank, world, layout, causal, heads_q, heads_kv, chunk_len, seed):
+    q, k, v, dout = _inputs(world, layout, heads_q, heads_kv, chunk_len, torch.float32, "cpu", seed)
+    local = [shard(t, None, layout).requires_grad_() for t in (q, k, v)]
+    for full, part in zip((q, k, v), local):
+        assert torch.equal(unshard(part, None, layout), full)  # shard / unshard round trip
+    out_local, lse_local = context_parallel_attention(*local, causal=causal, layout=layout, return_lse=True)
+    assert out_local.shape == local[0].shape and out_local.dtype == torch.float32
+    out_local.backward(shard(dout, None, layout))
+    out = unshard(out_local, None, layout)
+    lse = unshard(lse_local, None, layout, dim=2)
+    grads = [unshard(t.grad, None, layout) for t in local]
+    assert_forward_within_tolerance(out, lse, attention_ref, q, k, v, causal=causal)
+    assert_gradients_within_tolerance(grads, dout, attention_ref, (q, k, v), causal=causal)
+    # and against flash_ext.attention on the gathered sequence, directly
+    expected = flash_ext.attention(q, k, v, causal=causal)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
+def _worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        for index, case in enumerate(CASES):
+            _check_case(rank, world, *case, seed=100 + index)
+        with pytest.raises(ValueError, match="window_size"):
+            context_parallel_attention(*(torch.zeros(1, 4, 1, 8) for _ in range(3)), window_size=(2, 0))
+        with pytest.raises(ValueError, match="dropout"):
+            context_parallel_attention(*(torch.zeros(1, 4, 1, 8) for _ in range(3)), dropout_p=0.1)
+        with pytest.raises(ValueError, match="even"):
+            context_parallel_attention(*(torch.zeros(1, 3, 1, 8) for _ in range(3)))
+        with pytest.raises(ValueError, match="layout"):
+            shard(torch.zeros(1, 4 * world), None, "striped")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_context_parallel_attention_on_gloo(world):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)
