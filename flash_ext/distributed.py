@@ -216,25 +216,35 @@ def _ring_forward(q, k, v, group, rank, world, layout, causal, scale, softcap):
 def _ring_backward(dout, q, k, v, out, lse, group, rank, world, layout, causal, scale, softcap, deterministic):
     chunk_len = q.shape[1] // _chunks_per_rank(layout)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     ring = _Ring(group, rank, world) if world > 1 else None
     k_blk, v_blk = k, v
+    grads_in_flight = None
     for step in range(world):
         src = (rank - step) % world
         pending = None
-        if step + 1 < world:  # K/V go on ahead; their gradient accumulators follow once this block is done
+        if step + 1 < world:  # the next K/V block travels while this one is computed
             pending = ring.start([k_blk, v_blk], tag=_KV_TAG)
+        # This block's share goes into fresh buffers, so the block's running dK/dV accumulators (sent by
+        # the previous rank) can still be in flight during the compute; they are added afterwards.
+        dk_part = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv_part = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         _backward_block(dout, q, k_blk, v_blk, out, lse, _block_pairs(rank, src, world, layout, chunk_len, causal),
-                        dq_acc, dk_acc, dv_acc, scale, softcap, deterministic)
+                        dq_acc, dk_part, dv_part, scale, softcap, deterministic)
+        if grads_in_flight is not None:
+            requests, (dk_in, dv_in) = grads_in_flight
+            _Ring.wait(requests)
+            dk_part += dk_in
+            dv_part += dv_in
         if world > 1:
-            # After W hops the accumulators of a block are back at its owner, complete.
-            grad_requests, (dk_acc, dv_acc) = ring.start([dk_acc, dv_acc], tag=_GRAD_TAG)
-            _Ring.wait(grad_requests)
+            # After W hops a block's accumulators are back at its owner, holding every rank's share.
+            grads_in_flight = ring.start([dk_part, dv_part], tag=_GRAD_TAG)
         if pending is not None:
             requests, (k_blk, v_blk) = pending
             _Ring.wait(requests)
-    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    if grads_in_flight is not None:
+        requests, (dk_part, dv_part) = grads_in_flight
+        _Ring.wait(requests)
+    return dq_acc.to(q.dtype), dk_part.to(k.dtype), dv_part.to(v.dtype)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
