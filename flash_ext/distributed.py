@@ -124,6 +124,32 @@ def _block_pairs(rank: int, src: int, world: int, layout: str, chunk_len: int, c
                 continue
             pairs.append((slice(qi * chunk_len, (qi + 1) * chunk_len), slice(ki * chunk_len, (ki + 1) * chunk_len),
                           causal and k_chunk == q_chunk))
+    return _coalesce(pairs)
+
+
+def _coalesce(pairs):
+    """Joins full-attention sub-blocks that share their kv rows and have adjacent q rows, or the other way
+    round, so that one kernel call does them (zigzag: one call per off-diagonal step, not two or four)."""
+    pairs = list(pairs)
+    joined = True
+    while joined:
+        joined = False
+        for a in range(len(pairs)):
+            for b in range(len(pairs)):
+                (qa, ka, ca), (qb, kb, cb) = pairs[a], pairs[b]
+                if a == b or ca or cb:
+                    continue
+                if ka == kb and qa.stop == qb.start:
+                    merged = (slice(qa.start, qb.stop), ka, False)
+                elif qa == qb and ka.stop == kb.start:
+                    merged = (qa, slice(ka.start, kb.stop), False)
+                else:
+                    continue
+                pairs = [p for i, p in enumerate(pairs) if i not in (a, b)] + [merged]
+                joined = True
+                break
+            if joined:
+                break
     return pairs
 
 

@@ -92,17 +92,27 @@ def test_simulated_ring_matches_full_attention(device, dtype, world):
         assert_gradients_within_tolerance(grads, dout, attention_ref, (q, k, v), causal=causal, softcap=softcap)
 
 
+def _work(pairs):
+    """Score-matrix entries a list of sub-blocks computes (a diagonal block counts half)."""
+    return sum((q.stop - q.start) * (k.stop - k.start) * (0.5 if causal else 1.0) for q, k, causal in pairs)
+
+
 def test_block_pairs_skip_the_future_and_balance_zigzag():
     world, chunk_len = 4, 3
-    # contiguous, causal: rank 2 sees ranks 0, 1 fully, itself on the diagonal, rank 3 not at all
-    assert [len(_block_pairs(2, s, world, "contiguous", chunk_len, True)) for s in range(world)] == [1, 1, 1, 0]
+    # contiguous, causal: rank 2 sees ranks 0 and 1 fully, itself on the diagonal, rank 3 not at all
+    assert [_work(_block_pairs(2, s, world, "contiguous", chunk_len, True)) for s in range(world)] == [9, 9, 4.5, 0]
     assert _block_pairs(2, 2, world, "contiguous", chunk_len, True)[0][2] is True
-    # zigzag, causal: every rank computes the same number of chunk pairs: r + 1 for chunk r, 2W - r for chunk 2W-1-r
-    totals = [sum(len(_block_pairs(r, s, world, "zigzag", chunk_len, True)) for s in range(world))
-              for r in range(world)]
-    assert totals == [2 * world + 1] * world, totals
-    diagonal = [p for s in range(world) for p in _block_pairs(1, s, world, "zigzag", chunk_len, True) if p[2]]
-    assert len(diagonal) == 2
+    # zigzag, causal: every rank does the same work, 2W + 1 chunk pairs, two of them diagonal (half)
+    for rank in range(world):
+        steps = [_block_pairs(rank, s, world, "zigzag", chunk_len, True) for s in range(world)]
+        assert sum(_work(p) for p in steps) == 2 * world * chunk_len ** 2
+        # off the diagonal step, one kernel call per step: half of a full block
+        for s in range(world):
+            if s != rank:
+                assert len(steps[s]) == 1 and _work(steps[s]) == 2 * chunk_len ** 2
+        assert sorted(p[2] for p in steps[rank]) == [False, True, True]
+    # without a mask, one full call per step
+    assert _block_pairs(1, 3, world, "zigzag", chunk_len, False) == [(slice(0, 6), slice(0, 6), False)]
 
 
 # ---- Real process groups ----------------------------------------------------------------------------
