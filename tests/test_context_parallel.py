@@ -118,17 +118,18 @@ def test_block_pairs_skip_the_future_and_balance_zigzag():
 # ---- Real process groups ----------------------------------------------------------------------------
 
 
-def _check_case(rank, world, layout, causal, heads_q, heads_kv, chunk_len, seed):
+def _check_case(world, layout, causal, heads_q, heads_kv, chunk_len, seed, group=None):
     q, k, v, dout = _inputs(world, layout, heads_q, heads_kv, chunk_len, torch.float32, "cpu", seed)
-    local = [shard(t, None, layout).requires_grad_() for t in (q, k, v)]
+    local = [shard(t, group, layout).requires_grad_() for t in (q, k, v)]
     for full, part in zip((q, k, v), local):
-        assert torch.equal(unshard(part, None, layout), full)  # shard / unshard round trip
-    out_local, lse_local = context_parallel_attention(*local, causal=causal, layout=layout, return_lse=True)
+        assert torch.equal(unshard(part, group, layout), full)  # shard / unshard round trip
+    out_local, lse_local = context_parallel_attention(*local, group=group, causal=causal, layout=layout,
+                                                      return_lse=True)
     assert out_local.shape == local[0].shape and out_local.dtype == torch.float32
-    out_local.backward(shard(dout, None, layout))
-    out = unshard(out_local, None, layout)
-    lse = unshard(lse_local, None, layout, dim=2)
-    grads = [unshard(t.grad, None, layout) for t in local]
+    out_local.backward(shard(dout, group, layout))
+    out = unshard(out_local, group, layout)
+    lse = unshard(lse_local, group, layout, dim=2)
+    grads = [unshard(t.grad, group, layout) for t in local]
     assert_forward_within_tolerance(out, lse, attention_ref, q, k, v, causal=causal)
     assert_gradients_within_tolerance(grads, dout, attention_ref, (q, k, v), causal=causal)
     # and against flash_ext.attention on the gathered sequence, directly
@@ -141,7 +142,12 @@ def _worker(rank, world, init_file):
     try:
         torch.set_num_threads(1)
         for index, case in enumerate(CASES):
-            _check_case(rank, world, *case, seed=100 + index)
+            _check_case(world, *case, seed=100 + index)
+        if world >= 3:
+            # a group that is not the default one: ring neighbours are group ranks, P2P takes global ones
+            subgroup = dist.new_group(list(range(1, world)))
+            if rank >= 1:
+                _check_case(world - 1, "zigzag", True, 2, 1, 3, seed=200, group=subgroup)
         with pytest.raises(ValueError, match="window_size"):
             context_parallel_attention(*(torch.zeros(1, 4, 1, 8) for _ in range(3)), window_size=(2, 0))
         with pytest.raises(ValueError, match="dropout"):
