@@ -156,8 +156,19 @@ def _worker(rank, world, init_file):
             context_parallel_attention(*(torch.zeros(1, 3, 1, 8) for _ in range(3)))
         with pytest.raises(ValueError, match="layout"):
             shard(torch.zeros(1, 4 * world), None, "striped")
+        with pytest.raises(ValueError, match=f"multiple of {2 * world}"):
+            shard(torch.zeros(1, 2 * world + 1), None, "zigzag")
     finally:
         dist.destroy_process_group()
+
+
+def test_without_a_process_group_the_error_says_so():
+    assert not dist.is_initialized()
+    x = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        context_parallel_attention(x, x, x)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        shard(x)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
