@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .interface import _as_bool, _as_real, _check_tensor, _default_scale
+from .interface import _as_bool, _as_real, _check_tensor, _default_scale, _window
 
 _LAYOUTS = ("zigzag", "contiguous")
 _KV_TAG, _GRAD_TAG = 0, 1
@@ -110,20 +110,48 @@ def unshard(x_local: Tensor, group=None, layout: str = "zigzag", dim: int = 1) -
 # ---- Per-block work ------------------------------------------------------------------------------
 
 
-def _block_pairs(rank: int, src: int, world: int, layout: str, chunk_len: int, causal: bool):
-    """The (q slice, kv slice, causal) sub-blocks that rank's queries compute against src's keys.
+_FULL = (-1, -1)
 
-    Chunk pair (i, j) of the global sequence: under a causal mask it is full attention if j < i,
-    causal if i == j (equal-size chunks: the diagonal), nothing if j > i. Without a mask every pair
-    is full attention.
+
+def _block_pairs(rank: int, src: int, world: int, layout: str, chunk_len: int, causal: bool, window=_FULL):
+    """The (q rows, kv rows, causal, (window_left, window_right)) kernel calls that rank's queries make
+    against src's keys: slices of the local shard / the block, and the kernel's mask options.
+
+    Chunk pair (i, j) of the global sequence, its keys starting D = (j - i)·chunk_len after its queries:
+    local query a (global p = i·chunk_len + a) sees local key b when the global band allows
+    -left <= (b + D) - a <= right (causal: right = 0). Without a window that is: full attention if
+    j < i, the kernel's causal mask if i == j (equal chunks, so its bottom-right diagonal is the global
+    one), nothing if j > i. With a window the band b - a in [lo, hi] = [-left - D, right - D] becomes a
+    kernel window; where the band lies wholly above or below the block's diagonal, the rows (lo > 0) or
+    keys (hi < 0) that the band never reaches are cut off, which moves the kernel's bottom-right diagonal
+    onto the band's edge, so both window sides stay >= 0.
     """
+    left, right = window
+    if causal:
+        right = 0
+    c = chunk_len
     pairs = []
     for qi, q_chunk in enumerate(_rank_chunks(rank, world, layout)):
         for ki, k_chunk in enumerate(_rank_chunks(src, world, layout)):
-            if causal and k_chunk > q_chunk:
-                continue
-            pairs.append((slice(qi * chunk_len, (qi + 1) * chunk_len), slice(ki * chunk_len, (ki + 1) * chunk_len),
-                          causal and k_chunk == q_chunk))
+            offset = (k_chunk - q_chunk) * c
+            lo = None if left < 0 else -left - offset  # None: unbounded
+            hi = None if right < 0 else right - offset
+            if (lo is not None and lo > c - 1) or (hi is not None and hi < -(c - 1)):
+                continue  # the band misses this block
+            rows, keys = c, c
+            if lo is not None and lo > 0:
+                rows = c - lo  # later queries' bands start past the block's last key
+            if hi is not None and hi < 0:
+                keys = c + hi  # later keys lie past every query's band
+            shift = keys - rows  # the kernel's diagonal: query a meets key a + shift
+            wl = -1 if lo is None or shift - lo >= shift + rows - 1 else shift - lo
+            wr = -1 if hi is None or hi - shift >= keys - 1 - shift else hi - shift
+            q_rows = slice(qi * c, qi * c + rows)
+            kv_rows = slice(ki * c, ki * c + keys)
+            if wr == 0 and wl == -1:
+                pairs.append((q_rows, kv_rows, True, _FULL))
+            else:
+                pairs.append((q_rows, kv_rows, False, (wl, wr)))
     return _coalesce(pairs)
 
 
@@ -136,13 +164,13 @@ def _coalesce(pairs):
         joined = False
         for a in range(len(pairs)):
             for b in range(len(pairs)):
-                (qa, ka, ca), (qb, kb, cb) = pairs[a], pairs[b]
-                if a == b or ca or cb:
+                (qa, ka, ca, wa), (qb, kb, cb, wb) = pairs[a], pairs[b]
+                if a == b or ca or cb or wa != _FULL or wb != _FULL:
                     continue
                 if ka == kb and qa.stop == qb.start:
-                    merged = (slice(qa.start, qb.stop), ka, False)
+                    merged = (slice(qa.start, qb.stop), ka, False, _FULL)
                 elif qa == qb and ka.stop == kb.start:
-                    merged = (qa, slice(ka.start, kb.stop), False)
+                    merged = (qa, slice(ka.start, kb.stop), False, _FULL)
                 else:
                     continue
                 pairs = [p for i, p in enumerate(pairs) if i not in (a, b)] + [merged]
@@ -170,9 +198,9 @@ def _merge(acc_out: Tensor, acc_lse: Tensor, out: Tensor, lse: Tensor) -> None:
 
 def _forward_block(q, k_blk, v_blk, pairs, acc_out, acc_lse, scale, softcap):
     """Merges the partial attention of q against one key/value block into (acc_out, acc_lse)."""
-    for q_rows, kv_rows, causal in pairs:
+    for q_rows, kv_rows, causal, (wl, wr) in pairs:
         out, lse, _ = torch.ops.flash_ext.fwd(q[:, q_rows], k_blk[:, kv_rows], v_blk[:, kv_rows], scale, causal,
-                                              False, -1, -1, softcap, None, 0.0)
+                                              False, wl, wr, softcap, None, 0.0)
         _merge(acc_out[:, q_rows], acc_lse[:, :, q_rows], out, lse)
 
 
@@ -182,10 +210,10 @@ def _backward_block(dout, q, k_blk, v_blk, out, lse, pairs, dq_acc, dk_acc, dv_a
     The backward op with the global out and lse computes P = exp(S - lse_global) and
     D = rowsum(dout * out_global): the block's exact part of the full attention's backward.
     """
-    for q_rows, kv_rows, causal in pairs:
+    for q_rows, kv_rows, causal, (wl, wr) in pairs:
         dq, dk, dv = torch.ops.flash_ext.bwd(
             dout[:, q_rows], q[:, q_rows], k_blk[:, kv_rows], v_blk[:, kv_rows], out[:, q_rows],
-            lse[:, :, q_rows].contiguous(), scale, causal, deterministic, -1, -1, softcap, None, 0.0, None)
+            lse[:, :, q_rows].contiguous(), scale, causal, deterministic, wl, wr, softcap, None, 0.0, None)
         dq_acc[:, q_rows] += dq
         dk_acc[:, kv_rows] += dk
         dv_acc[:, kv_rows] += dv
@@ -219,7 +247,7 @@ class _Ring:
             request.wait()
 
 
-def _ring_forward(q, k, v, group, rank, world, layout, causal, scale, softcap):
+def _ring_forward(q, k, v, group, rank, world, layout, causal, window, scale, softcap):
     batch, rows, heads_q, _ = q.shape
     chunk_len = rows // _chunks_per_rank(layout)
     acc_out = torch.zeros(q.shape[:3] + v.shape[3:], dtype=torch.float32, device=q.device)
@@ -231,7 +259,7 @@ def _ring_forward(q, k, v, group, rank, world, layout, causal, scale, softcap):
         pending = None
         if step + 1 < world:  # the next block's transfer runs while this block is computed
             pending = ring.start([k_blk, v_blk], tag=_KV_TAG)
-        _forward_block(q, k_blk, v_blk, _block_pairs(rank, src, world, layout, chunk_len, causal), acc_out, acc_lse,
+        _forward_block(q, k_blk, v_blk, _block_pairs(rank, src, world, layout, chunk_len, causal, window), acc_out, acc_lse,
                        scale, softcap)
         if pending is not None:
             requests, (k_blk, v_blk) = pending
@@ -239,7 +267,8 @@ def _ring_forward(q, k, v, group, rank, world, layout, causal, scale, softcap):
     return acc_out.to(q.dtype), acc_lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, rank, world, layout, causal, scale, softcap, deterministic):
+def _ring_backward(dout, q, k, v, out, lse, group, rank, world, layout, causal, window, scale, softcap,
+                   deterministic):
     chunk_len = q.shape[1] // _chunks_per_rank(layout)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     ring = _Ring(group, rank, world) if world > 1 else None
@@ -254,7 +283,7 @@ def _ring_backward(dout, q, k, v, out, lse, group, rank, world, layout, causal, 
         # the previous rank) can still be in flight during the compute; they are added afterwards.
         dk_part = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv_part = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        _backward_block(dout, q, k_blk, v_blk, out, lse, _block_pairs(rank, src, world, layout, chunk_len, causal),
+        _backward_block(dout, q, k_blk, v_blk, out, lse, _block_pairs(rank, src, world, layout, chunk_len, causal, window),
                         dq_acc, dk_part, dv_part, scale, softcap, deterministic)
         if grads_in_flight is not None:
             requests, (dk_in, dv_in) = grads_in_flight
@@ -275,11 +304,11 @@ def _ring_backward(dout, q, k, v, out, lse, group, rank, world, layout, causal, 
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, world, layout, causal, scale, softcap, deterministic):
+    def forward(ctx, q, k, v, group, rank, world, layout, causal, window, scale, softcap, deterministic):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = _ring_forward(q, k, v, group, rank, world, layout, causal, scale, softcap)
+        out, lse = _ring_forward(q, k, v, group, rank, world, layout, causal, window, scale, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.config = (group, rank, world, layout, causal, scale, softcap, deterministic)
+        ctx.config = (group, rank, world, layout, causal, window, scale, softcap, deterministic)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -291,7 +320,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             # Every rank must still take part in the ring; a zero dout gives zero gradients.
             dout = torch.zeros_like(out)
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.config)
-        return (dq, dk, dv) + (None,) * 8
+        return (dq, dk, dv) + (None,) * 9
 
 
 def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = False,
@@ -308,7 +337,10 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, c
         softmax_scale: default 1/sqrt(head_dim). softcap: as flash_ext.attention.
         layout: "zigzag" (rank r holds chunks r and 2W-1-r of 2W; shard_len must be even) or
             "contiguous" (rank r holds chunk r of W).
-        window_size, dropout_p: only the defaults ((-1, -1), 0.0); other values raise.
+        window_size: (left, right), a sliding window over the global sequence, as flash_ext.attention's
+            (global position p sees keys p - left .. p + right; -1 unbounded; causal clamps right to 0).
+            Blocks the band misses are skipped.
+        dropout_p: only 0.0; other values raise.
         deterministic: the backward of each block as flash_ext.attention's deterministic flag.
         return_lse: also return lse (batch, heads_q, shard_len), float32, of the global softmax.
 
@@ -325,10 +357,10 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, c
     layout = _check_layout(layout)
     scale = float(_default_scale(q.shape[-1])) if softmax_scale is None else _as_real("softmax_scale", softmax_scale)
     softcap = _as_real("softcap", softcap)
-    if tuple(window_size) != (-1, -1):
-        raise ValueError("flash_ext: context_parallel_attention does not support window_size (got "
-                         f"{tuple(window_size)}); a sliding window over the global sequence does not map onto the "
-                         "per-block kernels' windows. Pass window_size=(-1, -1)")
+    window = _window(window_size)
+    for side, value in zip(("window_size[0]", "window_size[1]"), window):
+        if value < -1:
+            raise ValueError(f"flash_ext: {side} must be -1 (unbounded) or >= 0, got {value}")
     if _as_real("dropout_p", dropout_p) != 0.0:
         raise ValueError(f"flash_ext: context_parallel_attention does not support dropout (got dropout_p={dropout_p}); "
                          "pass dropout_p=0.0")
@@ -343,6 +375,6 @@ def context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, c
         raise ValueError(f"flash_ext: with layout='zigzag' the shard length (q.size(1) = {q.shape[1]}) must be even: "
                          "each rank holds two chunks of equal length")
     rank, world = _group_rank_and_size(group)
-    out, lse = _ContextParallelAttention.apply(q, k, v, group, rank, world, layout, causal, scale, softcap,
+    out, lse = _ContextParallelAttention.apply(q, k, v, group, rank, world, layout, causal, window, scale, softcap,
                                                deterministic)
     return (out, lse) if return_lse else out

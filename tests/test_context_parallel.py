@@ -47,7 +47,7 @@ def _inputs(world, layout, heads_q, heads_kv, chunk_len, dtype, device, seed, he
     return q, k, v, make(batch, seqlen, heads_q, head_dim)
 
 
-def _simulated_ring(q, k, v, dout, world, layout, causal, scale, softcap=0.0):
+def _simulated_ring(q, k, v, dout, world, layout, causal, scale, softcap=0.0, window=(-1, -1)):
     """The ring's steps for every rank in one process: (out, lse, dq, dk, dv) of the whole sequence."""
     parts = [[_local_part(t, r, world, layout) for r in range(world)] for t in (q, k, v, dout)]
     qs, ks, vs, douts = parts
@@ -58,7 +58,7 @@ def _simulated_ring(q, k, v, dout, world, layout, causal, scale, softcap=0.0):
         acc_lse = torch.full(qs[r].shape[:1] + qs[r].shape[2:3] + qs[r].shape[1:2], float("-inf"), device=q.device)
         for step in range(world):
             src = (r - step) % world  # the block rank r holds at this step of the ring
-            _forward_block(qs[r], ks[src], vs[src], _block_pairs(r, src, world, layout, chunk_len, causal), acc_out,
+            _forward_block(qs[r], ks[src], vs[src], _block_pairs(r, src, world, layout, chunk_len, causal, window), acc_out,
                            acc_lse, scale, softcap)
         outs.append(acc_out.to(q.dtype))
         lses.append(acc_lse)
@@ -69,7 +69,7 @@ def _simulated_ring(q, k, v, dout, world, layout, causal, scale, softcap=0.0):
         for step in range(world):
             src = (r - step) % world
             _backward_block(douts[r], qs[r], ks[src], vs[src], outs[r], lses[r],
-                            _block_pairs(r, src, world, layout, chunk_len, causal), dqs[r], dks[src], dvs[src],
+                            _block_pairs(r, src, world, layout, chunk_len, causal, window), dqs[r], dks[src], dvs[src],
                             scale, softcap, False)
     out = _reassemble(outs, layout)
     lse = _reassemble(lses, layout, dim=2)
@@ -92,9 +92,27 @@ def test_simulated_ring_matches_full_attention(device, dtype, world):
         assert_gradients_within_tolerance(grads, dout, attention_ref, (q, k, v), causal=causal, softcap=softcap)
 
 
+# Windows narrower and wider than a chunk, one-sided and two-sided, with and without the causal mask.
+WINDOWS = [((3, 0), True), ((4, 2), False), ((-1, 6), False), ((11, -1), False), ((9, 9), True), ((0, 0), False)]
+
+
+@parametrize_devices(cpu=dict(dtype=[torch.float32]), cuda=dict(dtype=[torch.float16, torch.bfloat16]))
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_simulated_ring_with_a_sliding_window(device, dtype, layout):
+    for index, (window, causal) in enumerate(WINDOWS):
+        world, chunk_len = 3, 5
+        if device == "cuda":
+            chunk_len, window = chunk_len * 16, tuple(w * 16 if w > 0 else w for w in window)
+        q, k, v, dout = _inputs(world, layout, 4, 2, chunk_len, dtype, device, seed=50 + index,
+                                head_dim=16 if device == "cpu" else 64)
+        out, lse, grads = _simulated_ring(q, k, v, dout, world, layout, causal, q.shape[-1] ** -0.5, window=window)
+        assert_forward_within_tolerance(out, lse, attention_ref, q, k, v, causal=causal, window_size=window)
+        assert_gradients_within_tolerance(grads, dout, attention_ref, (q, k, v), causal=causal, window_size=window)
+
+
 def _work(pairs):
     """Score-matrix entries a list of sub-blocks computes (a diagonal block counts half)."""
-    return sum((q.stop - q.start) * (k.stop - k.start) * (0.5 if causal else 1.0) for q, k, causal in pairs)
+    return sum((q.stop - q.start) * (k.stop - k.start) * (0.5 if causal else 1.0) for q, k, causal, _ in pairs)
 
 
 def test_block_pairs_skip_the_future_and_balance_zigzag():
@@ -112,7 +130,7 @@ def test_block_pairs_skip_the_future_and_balance_zigzag():
                 assert len(steps[s]) == 1 and _work(steps[s]) == 2 * chunk_len ** 2
         assert sorted(p[2] for p in steps[rank]) == [False, True, True]
     # without a mask, one full call per step
-    assert _block_pairs(1, 3, world, "zigzag", chunk_len, False) == [(slice(0, 6), slice(0, 6), False)]
+    assert _block_pairs(1, 3, world, "zigzag", chunk_len, False) == [(slice(0, 6), slice(0, 6), False, (-1, -1))]
 
 
 # ---- Real process groups ----------------------------------------------------------------------------
@@ -148,8 +166,8 @@ def _worker(rank, world, init_file):
             subgroup = dist.new_group(list(range(1, world)))
             if rank >= 1:
                 _check_case(world - 1, "zigzag", True, 2, 1, 3, seed=200, group=subgroup)
-        with pytest.raises(ValueError, match="window_size"):
-            context_parallel_attention(*(torch.zeros(1, 4, 1, 8) for _ in range(3)), window_size=(2, 0))
+        with pytest.raises(ValueError, match=r"window_size\[0\]"):
+            context_parallel_attention(*(torch.zeros(1, 4, 1, 8) for _ in range(3)), window_size=(-2, 0))
         with pytest.raises(ValueError, match="dropout"):
             context_parallel_attention(*(torch.zeros(1, 4, 1, 8) for _ in range(3)), dropout_p=0.1)
         with pytest.raises(ValueError, match="even"):
