@@ -136,22 +136,22 @@ def test_block_pairs_skip_the_future_and_balance_zigzag():
 # ---- Real process groups ----------------------------------------------------------------------------
 
 
-def _check_case(world, layout, causal, heads_q, heads_kv, chunk_len, seed, group=None):
+def _check_case(world, layout, causal, heads_q, heads_kv, chunk_len, seed, group=None, window=(-1, -1)):
     q, k, v, dout = _inputs(world, layout, heads_q, heads_kv, chunk_len, torch.float32, "cpu", seed)
     local = [shard(t, group, layout).requires_grad_() for t in (q, k, v)]
     for full, part in zip((q, k, v), local):
         assert torch.equal(unshard(part, group, layout), full)  # shard / unshard round trip
     out_local, lse_local = context_parallel_attention(*local, group=group, causal=causal, layout=layout,
-                                                      return_lse=True)
+                                                      window_size=window, return_lse=True)
     assert out_local.shape == local[0].shape and out_local.dtype == torch.float32
     out_local.backward(shard(dout, group, layout))
     out = unshard(out_local, group, layout)
     lse = unshard(lse_local, group, layout, dim=2)
     grads = [unshard(t.grad, group, layout) for t in local]
-    assert_forward_within_tolerance(out, lse, attention_ref, q, k, v, causal=causal)
-    assert_gradients_within_tolerance(grads, dout, attention_ref, (q, k, v), causal=causal)
+    assert_forward_within_tolerance(out, lse, attention_ref, q, k, v, causal=causal, window_size=window)
+    assert_gradients_within_tolerance(grads, dout, attention_ref, (q, k, v), causal=causal, window_size=window)
     # and against flash_ext.attention on the gathered sequence, directly
-    expected = flash_ext.attention(q, k, v, causal=causal)
+    expected = flash_ext.attention(q, k, v, causal=causal, window_size=window)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
 
 
@@ -161,6 +161,8 @@ def _worker(rank, world, init_file):
         torch.set_num_threads(1)
         for index, case in enumerate(CASES):
             _check_case(world, *case, seed=100 + index)
+        _check_case(world, "zigzag", True, 2, 1, 5, seed=150, window=(6, 0))
+        _check_case(world, "contiguous", False, 2, 2, 5, seed=151, window=(3, 8))
         if world >= 3:
             # a group that is not the default one: ring neighbours are group ranks, P2P takes global ones
             subgroup = dist.new_group(list(range(1, world)))
