@@ -259,8 +259,8 @@ def _ring_forward(q, k, v, group, rank, world, layout, causal, window, scale, so
         pending = None
         if step + 1 < world:  # the next block's transfer runs while this block is computed
             pending = ring.start([k_blk, v_blk], tag=_KV_TAG)
-        _forward_block(q, k_blk, v_blk, _block_pairs(rank, src, world, layout, chunk_len, causal, window), acc_out, acc_lse,
-                       scale, softcap)
+        pairs = _block_pairs(rank, src, world, layout, chunk_len, causal, window)
+        _forward_block(q, k_blk, v_blk, pairs, acc_out, acc_lse, scale, softcap)
         if pending is not None:
             requests, (k_blk, v_blk) = pending
             _Ring.wait(requests)
@@ -283,8 +283,9 @@ def _ring_backward(dout, q, k, v, out, lse, group, rank, world, layout, causal, 
         # the previous rank) can still be in flight during the compute; they are added afterwards.
         dk_part = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv_part = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        _backward_block(dout, q, k_blk, v_blk, out, lse, _block_pairs(rank, src, world, layout, chunk_len, causal, window),
-                        dq_acc, dk_part, dv_part, scale, softcap, deterministic)
+        pairs = _block_pairs(rank, src, world, layout, chunk_len, causal, window)
+        _backward_block(dout, q, k_blk, v_blk, out, lse, pairs, dq_acc, dk_part, dv_part, scale, softcap,
+                        deterministic)
         if grads_in_flight is not None:
             requests, (dk_in, dv_in) = grads_in_flight
             _Ring.wait(requests)

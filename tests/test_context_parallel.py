@@ -58,8 +58,8 @@ def _simulated_ring(q, k, v, dout, world, layout, causal, scale, softcap=0.0, wi
         acc_lse = torch.full(qs[r].shape[:1] + qs[r].shape[2:3] + qs[r].shape[1:2], float("-inf"), device=q.device)
         for step in range(world):
             src = (r - step) % world  # the block rank r holds at this step of the ring
-            _forward_block(qs[r], ks[src], vs[src], _block_pairs(r, src, world, layout, chunk_len, causal, window), acc_out,
-                           acc_lse, scale, softcap)
+            pairs = _block_pairs(r, src, world, layout, chunk_len, causal, window)
+            _forward_block(qs[r], ks[src], vs[src], pairs, acc_out, acc_lse, scale, softcap)
         outs.append(acc_out.to(q.dtype))
         lses.append(acc_lse)
     dqs = [torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in qs]
