@@ -54,6 +54,27 @@ def with_arg(make_args, index, make_value):
     return make
 
 
+# Modifiers of a valid call's (args list, kwargs dict), for error tables that spoil one call several ways
+# (test_kvcache.py, test_varlen_paged.py).
+def replace_arg(index, make):
+    def modify(args, kwargs):
+        args[index] = make(args[index])
+    return modify
+
+
+def set_kwargs(**changes):
+    def modify(args, kwargs):
+        kwargs.update(changes)
+    return modify
+
+
+def all_of(*modifiers):
+    def modify(args, kwargs):
+        for m in modifiers:
+            m(args, kwargs)
+    return modify
+
+
 def shape(*dims, dtype=torch.float32):
     return lambda: randn(*dims, dtype=dtype)
 

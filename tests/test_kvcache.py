@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flash_ext
+from bad_inputs import all_of, replace_arg, set_kwargs
 from devices import named, parametrize_devices
 from flash_ext.reference import apply_rotary_ref, attention_with_kvcache_ref
 from tolerance import EPS, FWD_FACTOR, assert_within_tolerance
@@ -259,102 +260,83 @@ def _bad(modify, error, message):
     return modify, error, message
 
 
-def _set(**changes):
-    def modify(args, kwargs):
-        kwargs.update(changes)
-    return modify
-
-
-def _arg(index, make):
-    def modify(args, kwargs):
-        args[index] = make(args[index])
-    return modify
-
-
-def _both(*modifiers):
-    def modify(args, kwargs):
-        for m in modifiers:
-            m(args, kwargs)
-    return modify
-
-
 I32 = dict(dtype=torch.int32)
 # Checks that need no value of the index tensors: the op and its fake raise alike.
 STATIC_ERRORS = {
-    "q_3d": _bad(_arg(0, lambda q: q[0]), RuntimeError, "q must have 4 dimensions"),
-    "cache_3d": _bad(_both(_arg(1, lambda c: c[0]), _arg(2, lambda c: c[0])), RuntimeError,
+    "q_3d": _bad(replace_arg(0, lambda q: q[0]), RuntimeError, "q must have 4 dimensions"),
+    "cache_3d": _bad(all_of(replace_arg(1, lambda c: c[0]), replace_arg(2, lambda c: c[0])), RuntimeError,
                      "k_cache must have 4 dimensions"),
-    "cache_shapes_differ": _bad(_arg(2, lambda c: c[:, :-1]), RuntimeError,
+    "cache_shapes_differ": _bad(replace_arg(2, lambda c: c[:, :-1]), RuntimeError,
                                 "k_cache and v_cache must have the same shape"),
-    "q_int": _bad(_arg(0, lambda q: q.int()), RuntimeError, "q has dtype Int"),
-    "cache_dtype": _bad(_both(_arg(1, lambda c: c.double()), _arg(2, lambda c: c.double())), RuntimeError,
+    "q_int": _bad(replace_arg(0, lambda q: q.int()), RuntimeError, "q has dtype Int"),
+    "cache_dtype": _bad(all_of(replace_arg(1, lambda c: c.double()), replace_arg(2, lambda c: c.double())), RuntimeError,
                         "k_cache has dtype Double but q has Float"),
-    "head_dim": _bad(_arg(0, lambda q: q[..., :16]), RuntimeError, "k_cache has head_dim 32 but q has head_dim 16"),
-    "gqa_ratio": _bad(_arg(0, lambda q: q[:, :, :3]), RuntimeError, "must be a multiple of heads_kv"),
-    "cache_batch": _bad(_both(_arg(1, lambda c: c[:1]), _arg(2, lambda c: c[:1])), RuntimeError,
+    "head_dim": _bad(replace_arg(0, lambda q: q[..., :16]), RuntimeError, "k_cache has head_dim 32 but q has head_dim 16"),
+    "gqa_ratio": _bad(replace_arg(0, lambda q: q[:, :, :3]), RuntimeError, "must be a multiple of heads_kv"),
+    "cache_batch": _bad(all_of(replace_arg(1, lambda c: c[:1]), replace_arg(2, lambda c: c[:1])), RuntimeError,
                         "k_cache has batch 1 but q has batch 2"),
-    "k_without_v": _bad(_arg(4, lambda v: None), RuntimeError, "k and v (the new keys and values) must be given"),
-    "k_heads": _bad(_both(_arg(3, lambda k: k[:, :, :1]), _arg(4, lambda v: v[:, :, :1])), RuntimeError,
+    "k_without_v": _bad(replace_arg(4, lambda v: None), RuntimeError, "k and v (the new keys and values) must be given"),
+    "k_heads": _bad(all_of(replace_arg(3, lambda k: k[:, :, :1]), replace_arg(4, lambda v: v[:, :, :1])), RuntimeError,
                     "k must have shape (batch, seqlen_new, heads_kv, head_dim)"),
-    "k_dtype": _bad(_arg(3, lambda k: k.double()), RuntimeError, "k has dtype Double but q has Float"),
-    "kv_seqlen_differ": _bad(_arg(4, lambda v: v[:, :1]), RuntimeError, "k and v must have the same shape"),
-    "new_longer_than_cache": _bad(_both(_arg(3, lambda k: k.repeat(1, 20, 1, 1)),
-                                        _arg(4, lambda v: v.repeat(1, 20, 1, 1))), RuntimeError,
+    "k_dtype": _bad(replace_arg(3, lambda k: k.double()), RuntimeError, "k has dtype Double but q has Float"),
+    "kv_seqlen_differ": _bad(replace_arg(4, lambda v: v[:, :1]), RuntimeError, "k and v must have the same shape"),
+    "new_longer_than_cache": _bad(all_of(replace_arg(3, lambda k: k.repeat(1, 20, 1, 1)),
+                                        replace_arg(4, lambda v: v.repeat(1, 20, 1, 1))), RuntimeError,
                                   "the cache is too short: k has seqlen_new = 60"),
-    "cache_seqlens_int64": _bad(_set(cache_seqlens=torch.tensor([1, 2])), RuntimeError,
+    "cache_seqlens_int64": _bad(set_kwargs(cache_seqlens=torch.tensor([1, 2])), RuntimeError,
                                 "cache_seqlens must be int32, got Long"),
-    "cache_seqlens_shape": _bad(_set(cache_seqlens=torch.tensor([1, 2, 3], **I32)), RuntimeError,
+    "cache_seqlens_shape": _bad(set_kwargs(cache_seqlens=torch.tensor([1, 2, 3], **I32)), RuntimeError,
                                 "cache_seqlens must have shape (batch,) = (2,)"),
-    "cache_batch_idx_shape": _bad(_set(cache_batch_idx=torch.tensor([0], **I32)), RuntimeError,
+    "cache_batch_idx_shape": _bad(set_kwargs(cache_batch_idx=torch.tensor([0], **I32)), RuntimeError,
                                   "cache_batch_idx must have shape (batch,)"),
-    "cache_leftpad_dtype": _bad(_set(cache_leftpad=torch.tensor([0.0, 1.0])), RuntimeError,
+    "cache_leftpad_dtype": _bad(set_kwargs(cache_leftpad=torch.tensor([0.0, 1.0])), RuntimeError,
                                 "cache_leftpad must be int32, got Float"),
-    "block_table_int64": _bad(_set(block_table=torch.zeros(2, 3, dtype=torch.long)), RuntimeError,
+    "block_table_int64": _bad(set_kwargs(block_table=torch.zeros(2, 3, dtype=torch.long)), RuntimeError,
                               "block_table must be int32"),
-    "block_table_shape": _bad(_set(block_table=torch.zeros(3, **I32)), RuntimeError,
+    "block_table_shape": _bad(set_kwargs(block_table=torch.zeros(3, **I32)), RuntimeError,
                               "block_table must have shape (batch, max_blocks)"),
-    "block_table_with_batch_idx": _bad(_set(block_table=torch.zeros(2, 3, **I32),
+    "block_table_with_batch_idx": _bad(set_kwargs(block_table=torch.zeros(2, 3, **I32),
                                             cache_batch_idx=torch.tensor([0, 1], **I32)), RuntimeError,
                                        "cache_batch_idx cannot be used with block_table"),
-    "page_size_0": _bad(_both(_arg(1, lambda c: c[:, :0]), _arg(2, lambda c: c[:, :0]), _arg(3, lambda k: k[:, :0]),
-                              _arg(4, lambda v: v[:, :0]), _set(block_table=torch.zeros(2, 3, **I32))),
+    "page_size_0": _bad(all_of(replace_arg(1, lambda c: c[:, :0]), replace_arg(2, lambda c: c[:, :0]), replace_arg(3, lambda k: k[:, :0]),
+                              replace_arg(4, lambda v: v[:, :0]), set_kwargs(block_table=torch.zeros(2, 3, **I32))),
                         RuntimeError, "k_cache.size(1) is the page size and must be >= 1"),
-    "rotary_cos_only": _bad(_set(rotary_cos=torch.ones(40, 8)), RuntimeError,
+    "rotary_cos_only": _bad(set_kwargs(rotary_cos=torch.ones(40, 8)), RuntimeError,
                             "rotary_cos and rotary_sin must be given together"),
-    "rotary_without_k": _bad(_both(_arg(3, lambda k: None), _arg(4, lambda v: None),
-                                   _set(rotary_cos=torch.ones(40, 8), rotary_sin=torch.ones(40, 8))), RuntimeError,
+    "rotary_without_k": _bad(all_of(replace_arg(3, lambda k: None), replace_arg(4, lambda v: None),
+                                   set_kwargs(rotary_cos=torch.ones(40, 8), rotary_sin=torch.ones(40, 8))), RuntimeError,
                              "rotary_cos / rotary_sin need k and v"),
-    "rotary_dim_too_large": _bad(_set(rotary_cos=torch.ones(40, 17), rotary_sin=torch.ones(40, 17)), RuntimeError,
+    "rotary_dim_too_large": _bad(set_kwargs(rotary_cos=torch.ones(40, 17), rotary_sin=torch.ones(40, 17)), RuntimeError,
                                  "rotary_cos must have shape (seqlen_ro, rotary_dim / 2)"),
-    "rotary_dtype": _bad(_set(rotary_cos=torch.ones(40, 8).double(), rotary_sin=torch.ones(40, 8).double()),
+    "rotary_dtype": _bad(set_kwargs(rotary_cos=torch.ones(40, 8).double(), rotary_sin=torch.ones(40, 8).double()),
                          RuntimeError, "rotary_cos has dtype Double but q has Float"),
-    "rotary_too_short": _bad(_set(rotary_cos=torch.ones(39, 8), rotary_sin=torch.ones(39, 8)), RuntimeError,
+    "rotary_too_short": _bad(set_kwargs(rotary_cos=torch.ones(39, 8), rotary_sin=torch.ones(39, 8)), RuntimeError,
                              "rotary_cos has 39 rows (seqlen_ro) but a sequence of the cache holds up to 40"),
-    "num_splits": _bad(_set(num_splits=-1), RuntimeError, "num_splits must be 0 (automatic) or >= 1"),
-    "alibi_shape": _bad(_set(alibi_slopes=torch.ones(3)), RuntimeError, "alibi_slopes must have shape"),
-    "window": _bad(_set(window_size=(-2, 0)), RuntimeError, "window_size[0]"),
-    "softcap": _bad(_set(softcap=-1.0), RuntimeError, "softcap must be 0 (off)"),
+    "num_splits": _bad(set_kwargs(num_splits=-1), RuntimeError, "num_splits must be 0 (automatic) or >= 1"),
+    "alibi_shape": _bad(set_kwargs(alibi_slopes=torch.ones(3)), RuntimeError, "alibi_slopes must have shape"),
+    "window": _bad(set_kwargs(window_size=(-2, 0)), RuntimeError, "window_size[0]"),
+    "softcap": _bad(set_kwargs(softcap=-1.0), RuntimeError, "softcap must be 0 (off)"),
 }
 # Checks of the index tensors' values (the CPU op only) and of Python types (the interface).
 VALUE_ERRORS = {
-    "seqlens_negative": _bad(_set(cache_seqlens=torch.tensor([-1, 2], **I32)), RuntimeError,
+    "seqlens_negative": _bad(set_kwargs(cache_seqlens=torch.tensor([-1, 2], **I32)), RuntimeError,
                              "cache_seqlens[0] = -1 must be >= 0"),
-    "cache_full": _bad(_set(cache_seqlens=torch.tensor([1, 38], **I32)), RuntimeError,
+    "cache_full": _bad(set_kwargs(cache_seqlens=torch.tensor([1, 38], **I32)), RuntimeError,
                        "the cache is too short: cache_seqlens[1] = 38 plus seqlen_new = 3 exceeds the 40 keys"),
-    "leftpad_past_seqlens": _bad(_set(cache_leftpad=torch.tensor([0, 12], **I32)), RuntimeError,
+    "leftpad_past_seqlens": _bad(set_kwargs(cache_leftpad=torch.tensor([0, 12], **I32)), RuntimeError,
                                  "cache_leftpad[1] = 12 must be in 0..cache_seqlens[1] = 11"),
-    "batch_idx_out_of_range": _bad(_set(cache_batch_idx=torch.tensor([0, 2], **I32)), RuntimeError,
+    "batch_idx_out_of_range": _bad(set_kwargs(cache_batch_idx=torch.tensor([0, 2], **I32)), RuntimeError,
                                    "cache_batch_idx[1] = 2 is not a row of k_cache (0..1)"),
-    "batch_idx_repeated": _bad(_set(cache_batch_idx=torch.tensor([1, 1], **I32)), RuntimeError,
+    "batch_idx_repeated": _bad(set_kwargs(cache_batch_idx=torch.tensor([1, 1], **I32)), RuntimeError,
                                "cache_batch_idx[0] and cache_batch_idx[1] are both 1"),
-    "block_out_of_range": _bad(_set(block_table=torch.tensor([[0, 1, 2], [3, 99, 4]], **I32)), RuntimeError,
+    "block_out_of_range": _bad(set_kwargs(block_table=torch.tensor([[0, 1, 2], [3, 99, 4]], **I32)), RuntimeError,
                                "block_table[1][0] = 3 is not a block of k_cache (0..1)"),
-    "seqlens_float": _bad(_set(cache_seqlens=2.0), TypeError, "cache_seqlens must be an int"),
-    "q_not_tensor": _bad(_arg(0, lambda q: q.tolist()), TypeError, "q must be a torch.Tensor"),
-    "block_table_list": _bad(_set(block_table=[[0]]), TypeError, "block_table must be a torch.Tensor"),
-    "causal_int": _bad(_set(causal=1), TypeError, "causal must be a bool"),
-    "num_splits_float": _bad(_set(num_splits=1.5), TypeError, "num_splits must be an int"),
-    "interleaved_str": _bad(_set(rotary_interleaved="yes"), TypeError, "rotary_interleaved must be a bool"),
+    "seqlens_float": _bad(set_kwargs(cache_seqlens=2.0), TypeError, "cache_seqlens must be an int"),
+    "q_not_tensor": _bad(replace_arg(0, lambda q: q.tolist()), TypeError, "q must be a torch.Tensor"),
+    "block_table_list": _bad(set_kwargs(block_table=[[0]]), TypeError, "block_table must be a torch.Tensor"),
+    "causal_int": _bad(set_kwargs(causal=1), TypeError, "causal must be a bool"),
+    "num_splits_float": _bad(set_kwargs(num_splits=1.5), TypeError, "num_splits must be an int"),
+    "interleaved_str": _bad(set_kwargs(rotary_interleaved="yes"), TypeError, "rotary_interleaved must be a bool"),
 }
 
 
@@ -386,7 +368,7 @@ def test_fake_raises_like_the_op(modify, error, message):
 
 
 def test_bad_inputs_leave_the_caches_alone():
-    args, kwargs = bad_call(_set(cache_seqlens=torch.tensor([1, 38], **I32)))
+    args, kwargs = bad_call(set_kwargs(cache_seqlens=torch.tensor([1, 38], **I32)))
     before = [t.clone() for t in args[1:3]]
     with pytest.raises(RuntimeError), torch.no_grad():
         flash_ext.attention_with_kvcache(*args, **kwargs)

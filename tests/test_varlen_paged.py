@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import flash_ext
+from bad_inputs import all_of, replace_arg, set_kwargs
 from cuda_poison import padded_head_dim
 from devices import CAUSAL, named, parametrize_devices
 from flash_ext.reference import attention_ref, attention_varlen_ref, gather_varlen_keys
@@ -373,25 +374,6 @@ def test_reads_the_pages_attention_with_kvcache_writes(device, head_dim, dtype):
 I32 = dict(dtype=torch.int32)
 
 
-def _arg(index, make):
-    def modify(args, kwargs):
-        args[index] = make(args[index])
-    return modify
-
-
-def _set(**changes):
-    def modify(args, kwargs):
-        kwargs.update(changes)
-    return modify
-
-
-def _both(*modifiers):
-    def modify(args, kwargs):
-        for m in modifiers:
-            m(args, kwargs)
-    return modify
-
-
 def _packed(args, kwargs):
     """The packed (no block_table) variant: k, v (total_k, heads_kv, head_dim) with seqused_k."""
     (q, k, v, cu_q, cu_k, max_q, max_k), packed = make_case(page_size=None, seqused=(7, 0, 18, 33))
@@ -403,48 +385,48 @@ def _packed(args, kwargs):
 # Checks that read no index value: the op and its fake raise alike. The base call is make_case() (paged, batch 4,
 # page 16, blocks 0..num_blocks-1, k and v (num_blocks, 16, 2, 32), q (9, 4, 32)).
 STATIC_ERRORS = {
-    "block_table_int64": (_set(block_table=torch.zeros(4, 4, dtype=torch.long)), "block_table must be int32, got Long"),
-    "block_table_1d": (_set(block_table=torch.zeros(4, **I32)),
+    "block_table_int64": (set_kwargs(block_table=torch.zeros(4, 4, dtype=torch.long)), "block_table must be int32, got Long"),
+    "block_table_1d": (set_kwargs(block_table=torch.zeros(4, **I32)),
                        "block_table must have shape (batch, max_blocks) with batch = 4, got [4]"),
-    "block_table_3d": (_set(block_table=torch.zeros(4, 3, 1, **I32)),
+    "block_table_3d": (set_kwargs(block_table=torch.zeros(4, 3, 1, **I32)),
                        "block_table must have shape (batch, max_blocks) with batch = 4, got [4, 3, 1]"),
-    "block_table_fewer_rows": (_set(block_table=torch.zeros(3, 4, **I32)),
+    "block_table_fewer_rows": (set_kwargs(block_table=torch.zeros(3, 4, **I32)),
                                "block_table must have shape (batch, max_blocks) with batch = 4, got [3, 4]"),
-    "block_table_more_rows": (_set(block_table=torch.zeros(5, 4, **I32)),
+    "block_table_more_rows": (set_kwargs(block_table=torch.zeros(5, 4, **I32)),
                               "block_table must have shape (batch, max_blocks) with batch = 4, got [5, 4]"),
-    "seqused_k_int64": (_set(seqused_k=torch.zeros(4, dtype=torch.long)), "seqused_k must be int32, got Long"),
-    "seqused_k_float": (_set(seqused_k=torch.zeros(4)), "seqused_k must be int32, got Float"),
-    "seqused_k_2d": (_set(seqused_k=torch.zeros(4, 1, **I32)), "seqused_k must have shape (batch,) = (4,), got [4, 1]"),
-    "seqused_k_length": (_set(seqused_k=torch.zeros(3, **I32)), "seqused_k must have shape (batch,) = (4,), got [3]"),
-    "packed_seqused_k_length": (_both(_packed, _set(seqused_k=torch.zeros(5, **I32))),
+    "seqused_k_int64": (set_kwargs(seqused_k=torch.zeros(4, dtype=torch.long)), "seqused_k must be int32, got Long"),
+    "seqused_k_float": (set_kwargs(seqused_k=torch.zeros(4)), "seqused_k must be int32, got Float"),
+    "seqused_k_2d": (set_kwargs(seqused_k=torch.zeros(4, 1, **I32)), "seqused_k must have shape (batch,) = (4,), got [4, 1]"),
+    "seqused_k_length": (set_kwargs(seqused_k=torch.zeros(3, **I32)), "seqused_k must have shape (batch,) = (4,), got [3]"),
+    "packed_seqused_k_length": (all_of(_packed, set_kwargs(seqused_k=torch.zeros(5, **I32))),
                                 "seqused_k must have shape (batch,) = (4,), got [5]"),
-    "k_3d_with_block_table": (_arg(1, lambda k: k[0]),
+    "k_3d_with_block_table": (replace_arg(1, lambda k: k[0]),
                               "with block_table, k must be a page pool of 4 dimensions (num_blocks, page_size, "
                               "heads_kv, head_dim), got 3"),
-    "v_5d_with_block_table": (_arg(2, lambda v: v[None]), "with block_table, v must be a page pool of 4 dimensions"),
-    "k_4d_without_block_table": (_both(_packed, _arg(1, lambda k: k[None]), _arg(2, lambda v: v[None])),
+    "v_5d_with_block_table": (replace_arg(2, lambda v: v[None]), "with block_table, v must be a page pool of 4 dimensions"),
+    "k_4d_without_block_table": (all_of(_packed, replace_arg(1, lambda k: k[None]), replace_arg(2, lambda v: v[None])),
                                  "k must have 3 dimensions (total_k, heads_kv, head_dim) for attention_varlen"),
-    "q_4d": (_arg(0, lambda q: q[None]), "q must have 3 dimensions (total_q, heads_q, head_dim)"),
-    "pools_differ_in_page_size": (_arg(2, lambda v: v[:, :8]), "k and v must have the same shape"),
-    "pools_differ_in_blocks": (_arg(2, lambda v: v[:-1]), "k and v must have the same shape"),
-    "pool_head_dim": (_both(_arg(1, lambda k: k[..., :16]), _arg(2, lambda v: v[..., :16])),
+    "q_4d": (replace_arg(0, lambda q: q[None]), "q must have 3 dimensions (total_q, heads_q, head_dim)"),
+    "pools_differ_in_page_size": (replace_arg(2, lambda v: v[:, :8]), "k and v must have the same shape"),
+    "pools_differ_in_blocks": (replace_arg(2, lambda v: v[:-1]), "k and v must have the same shape"),
+    "pool_head_dim": (all_of(replace_arg(1, lambda k: k[..., :16]), replace_arg(2, lambda v: v[..., :16])),
                       "k has head_dim 16 but q has head_dim 32"),
-    "pool_heads": (_both(_arg(1, lambda k: k.repeat(1, 1, 3, 1)), _arg(2, lambda v: v.repeat(1, 1, 3, 1))),
+    "pool_heads": (all_of(replace_arg(1, lambda k: k.repeat(1, 1, 3, 1)), replace_arg(2, lambda v: v.repeat(1, 1, 3, 1))),
                    "heads_q (q.size(1) = 4) must be a multiple of heads_kv (k.size(2) = 6)"),
-    "pool_no_heads": (_both(_arg(1, lambda k: k[:, :, :0]), _arg(2, lambda v: v[:, :, :0])),
+    "pool_no_heads": (all_of(replace_arg(1, lambda k: k[:, :, :0]), replace_arg(2, lambda v: v[:, :, :0])),
                       "k and v have 0 heads (k.size(2)) but q has 4"),
-    "pool_dtype": (_both(_arg(1, lambda k: k.double()), _arg(2, lambda v: v.double())),
+    "pool_dtype": (all_of(replace_arg(1, lambda k: k.double()), replace_arg(2, lambda v: v.double())),
                    "k has dtype Double but q has Float"),
-    "v_pool_dtype": (_arg(2, lambda v: v.half()), "v has dtype Half but q has Float"),
-    "page_size_0": (_both(_arg(1, lambda k: k[:, :0]), _arg(2, lambda v: v[:, :0])),
+    "v_pool_dtype": (replace_arg(2, lambda v: v.half()), "v has dtype Half but q has Float"),
+    "page_size_0": (all_of(replace_arg(1, lambda k: k[:, :0]), replace_arg(2, lambda v: v[:, :0])),
                     "with block_table, k.size(1) is the page size and must be >= 1, got 0"),
-    "cu_seqlens_k_int64": (_arg(4, lambda cu: cu.long()), "cu_seqlens_k must be int32, got Long"),
-    "cu_seqlens_k_length": (_arg(4, lambda cu: cu[:3]), "cu_seqlens_k has 3 entries but cu_seqlens_q has 5"),
-    "max_seqlen_k_negative": (_arg(6, lambda m: -1), "max_seqlen_k must be in 0..2^31-1, got -1"),
-    "alibi_shape": (_set(alibi_slopes=torch.ones(3)), "alibi_slopes must have shape (heads_q,) = (4,) or "
+    "cu_seqlens_k_int64": (replace_arg(4, lambda cu: cu.long()), "cu_seqlens_k must be int32, got Long"),
+    "cu_seqlens_k_length": (replace_arg(4, lambda cu: cu[:3]), "cu_seqlens_k has 3 entries but cu_seqlens_q has 5"),
+    "max_seqlen_k_negative": (replace_arg(6, lambda m: -1), "max_seqlen_k must be in 0..2^31-1, got -1"),
+    "alibi_shape": (set_kwargs(alibi_slopes=torch.ones(3)), "alibi_slopes must have shape (heads_q,) = (4,) or "
                                                       "(batch, heads_q) = (4, 4)"),
-    "window": (_set(window_size=(-3, 0)), "window_size[0]"),
-    "softcap": (_set(softcap=-1.0), "softcap must be 0 (off) or a finite positive number"),
+    "window": (set_kwargs(window_size=(-3, 0)), "window_size[0]"),
+    "softcap": (set_kwargs(softcap=-1.0), "softcap must be 0 (off) or a finite positive number"),
 }
 # Checks of the index values: the CPU op only (CUDA leaves them to the caller).
 VALUE_ERRORS = {
@@ -452,34 +434,34 @@ VALUE_ERRORS = {
                            "block_table[2][1] = {blocks} is not a block of k (0..{last})"),
     "block_negative": (lambda a, kw: kw["block_table"].__setitem__((3, 2), -1),
                        "block_table[3][2] = -1 is not a block of k (0..{last})"),
-    "seqused_negative": (_set(seqused_k=torch.tensor([1, -1, 2, 3], **I32)),
+    "seqused_negative": (set_kwargs(seqused_k=torch.tensor([1, -1, 2, 3], **I32)),
                          "seqused_k[1] = -1 must be in 0..64 (max_blocks * page_size"),
-    "seqused_past_the_pages": (_set(seqused_k=torch.tensor([1, 0, 65, 3], **I32)),
+    "seqused_past_the_pages": (set_kwargs(seqused_k=torch.tensor([1, 0, 65, 3], **I32)),
                                "seqused_k[2] = 65 must be in 0..64 (max_blocks * page_size"),
-    "packed_seqused_past_the_span": (_both(_packed, _set(seqused_k=torch.tensor([7, 1, 18, 33], **I32))),
+    "packed_seqused_past_the_span": (all_of(_packed, set_kwargs(seqused_k=torch.tensor([7, 1, 18, 33], **I32))),
                                      "seqused_k[1] = 1 must be in 0..0 (the keys of sequence b in k"),
-    "packed_total_k": (_both(_packed, _arg(4, lambda cu: cu - torch.tensor([0, 0, 0, 0, 1], **I32))),
+    "packed_total_k": (all_of(_packed, replace_arg(4, lambda cu: cu - torch.tensor([0, 0, 0, 0, 1], **I32))),
                        "cu_seqlens_k[-1] must equal total_k (k.size(0)) = 60, got 59"),
-    "cu_seqlens_past_the_pages": (_both(_arg(4, lambda cu: torch.tensor([0, 7, 7, 27, 97], **I32)),
-                                        _arg(6, lambda m: 70)),
+    "cu_seqlens_past_the_pages": (all_of(replace_arg(4, lambda cu: torch.tensor([0, 7, 7, 27, 97], **I32)),
+                                        replace_arg(6, lambda m: 70)),
                                   "sequence 3 has 70 keys (from cu_seqlens_k) but a row of block_table holds 4 pages "
                                   "of 16 keys"),
-    "cu_seqlens_k_decreasing": (_arg(4, lambda cu: torch.tensor([0, 7, 6, 26, 59], **I32)),
+    "cu_seqlens_k_decreasing": (replace_arg(4, lambda cu: torch.tensor([0, 7, 6, 26, 59], **I32)),
                                 "cu_seqlens_k must be non-decreasing"),
-    "cu_seqlens_k_start": (_arg(4, lambda cu: cu + 1), "cu_seqlens_k[0] must be 0"),
-    "max_seqlen_k_short": (_arg(6, lambda m: 32),
+    "cu_seqlens_k_start": (replace_arg(4, lambda cu: cu + 1), "cu_seqlens_k[0] must be 0"),
+    "max_seqlen_k_short": (replace_arg(6, lambda m: 32),
                            "sequence 3 has length 33 (from cu_seqlens_k) but max_seqlen_k is 32"),
-    "max_seqlen_k_short_seqused": (_set(seqused_k=torch.tensor([7, 0, 40, 3], **I32)),
+    "max_seqlen_k_short_seqused": (set_kwargs(seqused_k=torch.tensor([7, 0, 40, 3], **I32)),
                                    "sequence 2 uses 40 keys (seqused_k) but max_seqlen_k is 33"),
-    "cu_seqlens_q_end": (_arg(3, lambda cu: torch.tensor([0, 3, 4, 4, 8], **I32)),
+    "cu_seqlens_q_end": (replace_arg(3, lambda cu: torch.tensor([0, 3, 4, 4, 8], **I32)),
                          "cu_seqlens_q[-1] must equal total_q (q.size(0)) = 9, got 8"),
-    "max_seqlen_q_short": (_arg(5, lambda m: 4), "max_seqlen_q must be at least the longest sequence"),
+    "max_seqlen_q_short": (replace_arg(5, lambda m: 4), "max_seqlen_q must be at least the longest sequence"),
 }
 # The Python types (the interface).
 TYPE_ERRORS = {
-    "block_table_list": (_set(block_table=[[0]]), "block_table must be a torch.Tensor"),
-    "seqused_k_list": (_set(seqused_k=[1, 2, 3, 4]), "seqused_k must be a torch.Tensor"),
-    "max_seqlen_k_float": (_arg(6, lambda m: 33.0), "max_seqlen_k must be an int"),
+    "block_table_list": (set_kwargs(block_table=[[0]]), "block_table must be a torch.Tensor"),
+    "seqused_k_list": (set_kwargs(seqused_k=[1, 2, 3, 4]), "seqused_k must be a torch.Tensor"),
+    "max_seqlen_k_float": (replace_arg(6, lambda m: 33.0), "max_seqlen_k must be an int"),
 }
 
 
