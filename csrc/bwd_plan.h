@@ -7,9 +7,11 @@
 //      accumulator and the counters that follow it;
 //   2. dK / dV: the sm90 warp-specialised persistent kernel, or the sm80 kernel (plain, or the "extras"
 //      instantiation for softcap / ALiBi / dropout), each adding dQ into the fp32 accumulator with atomics
-//      unless deterministic; the sm80 kernel's tail walks may be split (TailSplit);
+//      (deterministic: the sm90 kernel in a fixed order, common/ordered_dq.cuh; the sm80 kernel not at all);
+//      the sm80 kernel's tail walks may be split (TailSplit);
 //   3. dQ: the accumulator scaled and rounded (overlapping the sm90 kernel's last wave as its programmatic
-//      dependent), or, deterministic, the sm80 dQ kernel recomputing S and dP per query block.
+//      dependent), or, deterministic after the sm80 kernel, the sm80 dQ kernel recomputing S and dP per
+//      query block.
 #pragma once
 
 #include <cstdint>
@@ -34,8 +36,12 @@ struct BwdPlan {
   int64_t dq_accum_rows = 0;     // rows per head of the accumulator (DqAccumLayout::rows_for)
   int64_t dq_accum_floats = 0;
   int64_t counter_ints = 0;
+  int64_t dq_turn_ints = 0;  // deterministic on the sm90 kernel: its dQ turns (after the counters, zeroed with them)
   int64_t row_stats_floats = 0;  // [2][heads_q][dq_accum_rows]
   int64_t dkv_accum_floats = 0;  // the split tail walks' fp32 dK and dV sums
+
+  // The accumulator, the counters and the turns: one allocation, which the preprocess zeroes whole.
+  int64_t dq_scratch_elements() const { return dq_accum_floats + counter_ints + dq_turn_ints; }
 };
 
 }  // namespace flash_ext

@@ -45,11 +45,11 @@ bool sm90_fwd_applies(const FwdParams& params) {
   }
 }
 
-// With deterministic = false only: the sm90 dK/dV kernel adds dQ with atomics.
+// deterministic = true too: the kernel then orders its dQ additions (common/ordered_dq.cuh).
 template <Elem16 kElem, int kHeadDim>
 bool sm90_dkdv_applies(const BwdParams& params) {
   if constexpr (kernel_configs::sm90_has_bwd(kHeadDim)) {
-    return sm90_enabled() && !params.deterministic && sm90::bwd_dkdv_applies<kElem, kHeadDim>(params);
+    return sm90_enabled() && sm90::bwd_dkdv_applies<kElem, kHeadDim>(params);
   } else {
     return false;
   }
@@ -58,7 +58,9 @@ bool sm90_dkdv_applies(const BwdParams& params) {
 template <Elem16 kElem, int kHeadDim>
 BwdPlan plan_bwd(const BwdParams& params) {
   BwdPlan plan;
-  plan.dq_by_atomics = !params.deterministic;
+  const bool sm90_dkdv = sm90_dkdv_applies<kElem, kHeadDim>(params);
+  // Deterministic: atomics only in the sm90 kernel's fixed order; the sm80 kernels recompute dQ instead.
+  plan.dq_by_atomics = !params.deterministic || sm90_dkdv;
   plan.softmax_d_floats =
       int64_t{params.heads_q} * (params.is_varlen() ? params.total_q : int64_t{params.batch} * params.seqlen_q);
   if (!plan.dq_by_atomics) return plan;
@@ -70,8 +72,9 @@ BwdPlan plan_bwd(const BwdParams& params) {
   plan.dq_accum_rows = DqAccumLayout::rows_for(query_rows, params.batch);
   plan.dq_accum_floats = int64_t{params.heads_q} * plan.dq_accum_rows * kHeadDim;
   plan.counter_ints = (int64_t{params.batch} * params.heads_kv + 1) * kFinishedCounterStride;
+  if (params.deterministic) plan.dq_turn_ints = dq_turn_ints(params.heads_q, plan.dq_accum_rows);
   plan.row_stats_floats = 2 * int64_t{params.heads_q} * plan.dq_accum_rows;
-  if (sm90_dkdv_applies<kElem, kHeadDim>(params)) {
+  if (sm90_dkdv) {
     plan.dkdv = DkDvKernel::kSm90;
     return plan;
   }
@@ -112,7 +115,17 @@ void run_attention_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_
       }
     }
     // The sm80 kernel: the plan's choice, or where the sm90 kernel's tensor maps failed to encode (then
-    // without a tail split, which the plan made no room for).
+    // without a tail split, which the plan made no room for; deterministic, with the sm80 dQ kernel, whose
+    // sums have one order, rather than the sm80 kernel's unordered atomics).
+    if (!dkdv_done && params.deterministic && plan.dq_by_atomics) {
+      BwdParams recompute_dq = params;
+      recompute_dq.dq_accum = nullptr;
+      BwdPlan recompute_plan;
+      recompute_plan.softmax_d_floats = plan.softmax_d_floats;
+      sm80::run_attention_bwd_dkdv<kElem, kHeadDim>(recompute_dq, recompute_plan, stream);
+      sm80::run_attention_bwd_dq<kElem, kHeadDim>(recompute_dq, recompute_plan, 0, stream);
+      return;
+    }
     if (!dkdv_done) sm80::run_attention_bwd_dkdv<kElem, kHeadDim>(params, plan, stream);
     sm80::run_attention_bwd_dq<kElem, kHeadDim>(params, plan, overlap_keys_per_walk, stream);
   });

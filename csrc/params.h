@@ -170,6 +170,13 @@ struct FwdParams {
 // counters sharing a line would share one L2 slice.
 constexpr int kFinishedCounterStride = 32;
 
+// The deterministic sm90 dK/dV kernel's turns: one per (query head, 8-row group of the dQ accumulator, column
+// half), rounded up to whole 128-byte lines.
+constexpr int64_t dq_turn_ints(int heads_q, int64_t dq_accum_rows) {
+  const int64_t turns = int64_t{heads_q} * (dq_accum_rows / 8) * 2;
+  return (turns + kFinishedCounterStride - 1) / kFinishedCounterStride * kFinishedCounterStride;
+}
+
 struct BwdParams : FwdParams {
   const void* dout = nullptr;
   void* dq = nullptr;
@@ -197,6 +204,9 @@ struct BwdParams : FwdParams {
   // CUDA, deterministic = false: the sm90 dK/dV kernel's tile counter (its persistent CTAs take tiles
   // gridDim.x, gridDim.x + 1, ... from it); the 128-byte line after dkdv_finished's, zeroed with them.
   int* dkdv_tile_counter = nullptr;
+  // CUDA, deterministic = true on the sm90 dK/dV kernel: the turns that order its dQ additions
+  // (common/ordered_dq.cuh), dq_turn_ints(...) ints after the tile counter's line, zeroed with it.
+  int* dq_turns = nullptr;
   // CUDA, where the backward's plan splits the sm80 dK/dV kernel's tail walks (bwd_plan.h): scratch in which
   // the pieces' fp32 dK and dV sums meet (TailSplit), zeroed by the launcher. nullptr: no split.
   float* dkv_accum = nullptr;

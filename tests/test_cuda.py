@@ -12,6 +12,7 @@ import flash_ext
 from cuda_poison import check_cuda_forward
 from flash_ext.reference import attention_ref
 from flash_ext.testing import sm90_kernels
+from kernel_names import backward_kernel_names, forward_kernel_names, sm90_expected
 from make_inputs import make_qkv, make_varlen_qkv
 from tolerance import FWD_FACTOR, assert_within_tolerance, check_gradients, check_varlen_gradients
 
@@ -217,18 +218,7 @@ def test_cuda_graph_capture():
 
 # ---- The sm90 (wgmma + TMA) forward: dense calls at head_dim 64 / 128 / 256 on an H100 / H200 take it ----
 
-def sm90_forward_expected():
-    return torch.cuda.get_device_capability() == (9, 0) and "90a" in flash_ext.info()["cuda_archs"]
-
-
-def forward_kernel_names(*args, **kwargs):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        flash_ext.attention(*args, **kwargs)
-        torch.cuda.synchronize()
-    return [event.key for event in prof.key_averages()]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or not sm90_forward_expected(),
+@pytest.mark.skipif(not torch.cuda.is_available() or not sm90_expected(),
                     reason="needs a compute capability 9.0 GPU and a build with 90a")
 def test_sm90_forward_is_taken():
     """hd64 / 128 / 256 calls run the sm90 kernel (plain, softcap, dropout, varlen); hd96 and
@@ -268,21 +258,12 @@ def test_sm80_forward_where_sm90_is_default(seqlen_q, seqlen_k, causal, head_dim
 
 # ---- The sm90 dK/dV kernel: head_dim 128 backward calls on an H100 / H200 take it ----
 
-def backward_kernel_names(q, k, v, **kwargs):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = flash_ext.attention(q, k, v, **kwargs)
-        out.backward(torch.randn_like(out))
-        torch.cuda.synchronize()
-    return [event.key for event in prof.key_averages()]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or not sm90_forward_expected(),
+@pytest.mark.skipif(not torch.cuda.is_available() or not sm90_expected(),
                     reason="needs a compute capability 9.0 GPU and a build with 90a")
 def test_sm90_backward_is_taken():
-    """hd64 / 128 / 256 backward calls (plain, causal, softcap, ALiBi, window, dropout, GQA, varlen) run the sm90
-    dK/dV kernel; deterministic=True, other head dims and sm90_kernels(False) the sm80 one. Its
-    gradients match the deterministic sm80 path's within rounding."""
+    """hd64 / 128 / 256 backward calls (plain, causal, softcap, ALiBi, window, dropout, GQA, varlen, deterministic)
+    run the sm90 dK/dV kernel; other head dims and sm90_kernels(False) the sm80 one. Its gradients match the
+    deterministic sm80 path's within rounding."""
     q, k, v = make_qkv(2, 300, 333, 4, 2, 128, torch.bfloat16, device="cuda")
     slopes = torch.rand(4, device="cuda")
     for features in ({}, {"causal": True}, {"softcap": 30.0}, {"alibi_slopes": slopes}, {"window_size": (50, 20)},
@@ -291,7 +272,7 @@ def test_sm90_backward_is_taken():
         assert any("attention_bwd_dkdv_sm90_kernel" in name for name in names), f"{features}: {names}"
     assert "sm90 wgmma + TMA dK/dV" in flash_ext.kernel_path(q)
     names = backward_kernel_names(q, k, v, deterministic=True)
-    assert not any("dkdv_sm90" in name for name in names), f"deterministic: {names}"
+    assert any("dkdv_sm90" in name for name in names), f"deterministic: {names}"
     for head_dim in (64, 256):
         qh, kh, vh = make_qkv(2, 300, 333, 4, 2, head_dim, torch.bfloat16, device="cuda")
         assert any("dkdv_sm90" in name for name in backward_kernel_names(qh, kh, vh, causal=True)), head_dim
@@ -305,14 +286,15 @@ def test_sm90_backward_is_taken():
         torch.cuda.synchronize()
     assert any("dkdv_sm90" in event.key for event in prof.key_averages()), "varlen: not sm90"
 
-    # Against the deterministic (sm80) path: the same math in another summation order.
+    # Against the deterministic sm80 path: the same math in another summation order.
     q, k, v = (t.requires_grad_() for t in make_qkv(2, 300, 280, 6, 2, 128, torch.bfloat16, device="cuda"))
     dout = torch.randn(2, 300, 6, 128, dtype=torch.bfloat16, device="cuda")
     grads = {}
-    for deterministic in (False, True):
-        out = flash_ext.attention(q, k, v, causal=True, deterministic=deterministic)
-        grads[deterministic] = torch.autograd.grad(out, (q, k, v), dout)
-    for name, fast, exact in zip(("dq", "dk", "dv"), grads[False], grads[True]):
+    for sm90 in (True, False):
+        with sm90_kernels(sm90):
+            out = flash_ext.attention(q, k, v, causal=True, deterministic=not sm90)
+            grads[sm90] = torch.autograd.grad(out, (q, k, v), dout)
+    for name, fast, exact in zip(("dq", "dk", "dv"), grads[True], grads[False]):
         bound = 4 * torch.finfo(torch.bfloat16).eps * exact.float().abs().max().item()
         err = (fast.float() - exact.float()).abs().max().item()
         assert err <= bound, f"{name}: the sm90 and sm80 backward differ by {err} (bound {bound})"

@@ -140,7 +140,7 @@ BwdResult attention_bwd_cuda(const at::Tensor& dout_in, const at::Tensor& q_in, 
   p.softmax_d = softmax_d.data_ptr<float>();
   at::Tensor dq_accum, row_stats, dkv_accum;
   if (plan.dq_by_atomics) {
-    dq_accum = empty_floats(plan.dq_accum_floats + plan.counter_ints, q);
+    dq_accum = empty_floats(plan.dq_scratch_elements(), q);
     // Poisoning (runtime_settings.h) makes a row that the preprocess kernel's zeroing missed show in dq
     // rather than pass on a fresh allocation's zeros.
     if (runtime_settings().poison_scratch.load(std::memory_order_relaxed)) {
@@ -151,6 +151,7 @@ BwdResult attention_bwd_cuda(const at::Tensor& dout_in, const at::Tensor& q_in, 
     p.dq_accum_rows = plan.dq_accum_rows;
     p.dkdv_finished = reinterpret_cast<int*>(p.dq_accum + plan.dq_accum_floats);
     p.dkdv_tile_counter = p.dkdv_finished + int64_t{p.batch} * p.heads_kv * kFinishedCounterStride;
+    if (plan.dq_turn_ints > 0) p.dq_turns = p.dkdv_tile_counter + kFinishedCounterStride;
     p.row_stats = row_stats.data_ptr<float>();
   }
   if (plan.dkv_accum_floats > 0) {

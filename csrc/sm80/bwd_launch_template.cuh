@@ -103,7 +103,7 @@ void run_attention_bwd_preprocess(const BwdParams& params, const BwdPlan& plan, 
   const int64_t num_rows = params.is_varlen() ? params.lse_head_stride : int64_t{params.batch} * params.seqlen_q;
   // D = rowsum(dO ∘ O) (and row_stats): preprocess_lanes_per_row threads per (query row, head); the same
   // kernel zeroes the fp32 dQ accumulator, all of it (padding rows too), and the counters that follow it.
-  const int64_t zero_floats = plan.dq_accum_floats + plan.counter_ints;
+  const int64_t zero_floats = plan.dq_scratch_elements();
   static_assert(kHeadDim % 4 == 0 && kFinishedCounterStride % 4 == 0, "the zeroed region is whole 16-byte chunks");
   const int64_t num_threads = num_rows * params.heads_q * preprocess_lanes_per_row(kHeadDim);
   attention_bwd_preprocess_kernel<kHeadDim, ElementOf<kElem>>

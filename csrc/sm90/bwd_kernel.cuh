@@ -38,6 +38,7 @@
 #include "../common/dq_accum_layout.h"
 #include "../common/dropout_bits.cuh"
 #include "../common/finished_walks.cuh"
+#include "../common/ordered_dq.cuh"
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
 #include "../common/warp_gemm.cuh"
@@ -140,12 +141,19 @@ struct BwdWalk {
   bool has_keys;  // false: past this sequence's keys (a variable-length batch): nothing to compute or write
   int valid_keys;
   int first_query_block, blocks_per_head, num_steps;
+  int previous_first_block = 0, previous_blocks = 0;  // deterministic: query_blocks_seeing(key_block + 1)
   int walk_rotation;
   int heads_per_kv;
   int64_t sequence_accum_row;  // row 0 of this sequence in the dQ accumulator's and row_stats' numbering
 
+  // The key block of `tile`: deterministic, a (batch, kv head)'s tiles take its key blocks from the last one
+  // down (the order of common/ordered_dq.cuh).
+  __device__ __forceinline__ static int key_block_of(const BwdParams& params, int tile, int key_blocks) {
+    const int block = tile % key_blocks;
+    return params.deterministic ? key_blocks - 1 - block : block;
+  }
   __device__ __forceinline__ BwdWalk(const BwdParams& params, int tile, int key_blocks)
-      : key_block(tile % key_blocks),
+      : key_block(key_block_of(params, tile, key_blocks)),
         kv_head(tile / key_blocks % params.heads_kv),
         batch(tile / key_blocks / params.heads_kv),
         q_span(params.query_span(batch)),
@@ -156,12 +164,8 @@ struct BwdWalk {
     first_key = key_block * Tile::kBlockN;
     has_keys = first_key < len_k;
     valid_keys = has_keys ? min(Tile::kBlockN, len_k - first_key) : 0;
-    const int row_begin = min(len_q, band.first_row_seeing(first_key));
-    const int64_t rows_seeing_end = band.end_row_seeing(first_key + valid_keys);
-    const int row_end = rows_seeing_end < len_q ? static_cast<int>(rows_seeing_end) : len_q;
-    first_query_block = row_begin / Tile::kBlockM;
-    blocks_per_head =
-        has_keys && row_end > row_begin ? (row_end + Tile::kBlockM - 1) / Tile::kBlockM - first_query_block : 0;
+    query_blocks_seeing(key_block, first_query_block, blocks_per_head);
+    if (params.deterministic) query_blocks_seeing(key_block + 1, previous_first_block, previous_blocks);
     heads_per_kv = params.heads_per_kv();
     num_steps = heads_per_kv * blocks_per_head;
     // At head_dim 256 each walk starts at a different query block (rotated by its key block), so that the
@@ -169,10 +173,29 @@ struct BwdWalk {
     // at 8k all visit query block 0, then 1, ..., and a step adds twice hd128's dQ bytes per FLOP). H200, bf16,
     // 2k / 8k / 16k, 2026-11-30: hd256 +16 / +9 / +11%, causal -1.5 / +6 / +13%; hd64 -1%, hd128 -2 to +1%
     // (left unrotated).
-    walk_rotation = blocks_per_head > 0 ? key_block % blocks_per_head : 0;
+    // Not when deterministic: the order of common/ordered_dq.cuh relies on walks starting at their first block.
+    walk_rotation = blocks_per_head > 0 && !params.deterministic ? key_block % blocks_per_head : 0;
     sequence_accum_row =
         DqAccumLayout::first_row(params.is_varlen() ? q_span.begin : int64_t{batch} * params.seqlen_q, batch);
   }
+  // The query blocks [first, first + count) of a head holding a row that sees one of key block `block`'s keys
+  // (none past the sequence's keys).
+  __device__ __forceinline__ void query_blocks_seeing(int block, int& first, int& count) const {
+    const int block_first_key = block * Tile::kBlockN;
+    const int block_keys = block_first_key < len_k ? min(Tile::kBlockN, len_k - block_first_key) : 0;
+    const int row_begin = min(len_q, band.first_row_seeing(block_first_key));
+    const int64_t rows_seeing_end = band.end_row_seeing(block_first_key + block_keys);
+    const int row_end = rows_seeing_end < len_q ? static_cast<int>(rows_seeing_end) : len_q;
+    first = row_begin / Tile::kBlockM;
+    count = block_keys > 0 && row_end > row_begin ? (row_end + Tile::kBlockM - 1) / Tile::kBlockM - first : 0;
+  }
+  // Deterministic: the turn this walk waits for at step i's query block (common/ordered_dq.cuh): key block
+  // key_block + 1's, where that walk sees the block, else none (0); and the turn it passes on.
+  __device__ __forceinline__ int awaited_dq_turn(int i) const {
+    const int block = first_query_block + i % blocks_per_head;
+    return block >= previous_first_block && block < previous_first_block + previous_blocks ? key_block + 2 : 0;
+  }
+  __device__ __forceinline__ int passed_dq_turn() const { return key_block + 1; }
   __device__ __forceinline__ int head(int i) const { return kv_head * heads_per_kv + i / blocks_per_head; }
   __device__ __forceinline__ int first_query(int i) const {
     int block = i % blocks_per_head;
@@ -297,17 +320,31 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr int kTileSlotFreeBarrier = kTileSlotFullBarrier + 2;  // + the slot
   constexpr int kHandoffThreads = Tile::kConsumerThreads + 32;   // the consumers and the producer warp
   static_assert(kTileSlotFreeBarrier + 2 <= 16, "a CTA has 16 named barriers");
-  if (threadIdx.x == (kPersistent ? producer_thread : 0)) {
-    prefetch_tensor_map(&maps.q);
-    prefetch_tensor_map(&maps.dout);
-    const BwdWalk<Tile> walk(params, blockIdx.x, key_blocks);
+  // The CTA's first tile: its index, or (per-walk CTAs, deterministic) the next from params.dkdv_tile_counter,
+  // which the preprocess zeroes: so that the tiles a walk waits for (common/ordered_dq.cuh) were taken by CTAs
+  // that had started, whatever order the CTAs are scheduled in.
+  const bool tile_from_counter = !kPersistent && params.deterministic;
+  int first_tile = blockIdx.x;
+  auto load_first_key_tiles = [&] {
+    const BwdWalk<Tile> walk(params, first_tile, key_blocks);
     if (walk.num_steps > 0) {
       load_values(walk);
       load_keys(walk);
     }
+  };
+  if (threadIdx.x == (kPersistent ? producer_thread : 0)) {
+    prefetch_tensor_map(&maps.q);
+    prefetch_tensor_map(&maps.dout);
+    if (!tile_from_counter) load_first_key_tiles();
   }
   wait_for_prerequisite_grid();
   allow_dependent_launch();
+  if (tile_from_counter) {
+    if (threadIdx.x == 0) next_tile_slot[0] = atomicAdd(params.dkdv_tile_counter, 1);
+    __syncthreads();
+    first_tile = next_tile_slot[0];
+    if (threadIdx.x == 0) load_first_key_tiles();
+  }
 
   if constexpr (kPersistent) {
     if (threadIdx.x >= Tile::kConsumerThreads) {
@@ -323,7 +360,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       };
       // An empty mbarrier's first wait (parity 1 on a fresh barrier) passes: K and V start free.
       int steps_issued = 0, walks_loaded = 0;
-      int tile = blockIdx.x;
+      int tile = first_tile;
       int rounds = 0;  // rounds run: each wrote the next walk's tile into its slot (the last one past the end)
       for (int round = 0; tile < num_tiles; ++round, ++rounds) {
         const BwdWalk<Tile> walk(params, tile, key_blocks);
@@ -365,7 +402,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         named_barrier_arrive(kTileSlotFullBarrier + (round + 1) % 2, kHandoffThreads);
         if (leader) {
           if (next_tile < num_tiles && !params.is_varlen()) {
-            const int key_row = next_tile % key_blocks * kBlockN;
+            const int key_row = BwdWalk<Tile>::key_block_of(params, next_tile, key_blocks) * kBlockN;
             const int kv_head_next = next_tile / key_blocks % params.heads_kv;
             const int batch_next = next_tile / key_blocks / params.heads_kv;
             for (int c = 0; c < Tile::kColumnRegions; ++c) {
@@ -387,7 +424,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     }
     claim_registers<Tile::kConsumerRegisters>();
   } else if (threadIdx.x == 0) {
-    const BwdWalk<Tile> walk(params, blockIdx.x, key_blocks);
+    const BwdWalk<Tile> walk(params, first_tile, key_blocks);
     for (int i = 0; i < min(walk.num_steps, kStages); ++i) load_query_block(walk, i, 0);
   }
 
@@ -430,7 +467,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr int kRowGroupStride = DqAccumLayout::row_group_stride(kHeadDim);
   static_assert(kBlockM <= DqAccumLayout::kOverhangRows, "blocks past the last sequence stay in the buffer");
 
-  int tile = blockIdx.x;
+  int tile = first_tile;
   int steps_before = 0;   // the CTA's steps in earlier walks: step i of a walk uses buffer (steps_before + i) % kStages
   uint32_t kv_phase = 0;  // parity of the next completion of bar_kv_full
   for (int round = 0; tile < num_tiles; ++round) {
@@ -627,10 +664,36 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       wgmma_commit();
     };
 
+    // This warp's first dQ accumulator row at step i, and (deterministic) its turn there: one per (query head,
+    // 8-row group, column half) (common/ordered_dq.cuh).
+    auto dq_accum_row = [&](int i) {
+      return walk.sequence_accum_row + step_first_query(i) + dq_first_row + 16 * warp_in_group;
+    };
+    auto dq_turn = [&](int i) {
+      return params.dq_turns +
+             ((step_head(i) * params.dq_accum_rows + dq_accum_row(i)) / DqAccumLayout::kTileRows * 2 + group);
+    };
+    // Deterministic, where the warp's rows start inside the sequence: a warp whose 16 rows lie past its end
+    // adds zeros (to padding or to the next sequence's rows, whose turns are not its own), which commute.
+    auto takes_turns = [&](int i) {
+      return params.deterministic && step_first_query(i) + dq_first_row + 16 * warp_in_group < len_q;
+    };
+    // Lane 0's early read of step i's turn (issued before the GEMM whose wait precedes the first addition),
+    // and the step whose turn is still to pass (-1: none): passed one step late, when its atomics completed.
+    auto read_turn_early = [&](int i) { return takes_turns(i) && lane == 0 ? read_dq_turn(dq_turn(i)) : 0; };
+    int turn_to_pass = -1;
+    auto pass_turn = [&] {
+      if (turn_to_pass >= 0) pass_dq_turn(dq_turn(turn_to_pass), walk.passed_dq_turn());
+      turn_to_pass = -1;
+    };
+
     // Step i's completed dQ added to the fp32 accumulator. Rows past the sequence's end (dS = 0) are added
-    // too: DqAccumLayout says where they land.
-    auto add_dq = [&](int i, const float (&acc_dq)[kNTilesDq][4], int part) {
-      const int64_t accum_row = walk.sequence_accum_row + step_first_query(i) + dq_first_row + 16 * warp_in_group;
+    // too: DqAccumLayout says where they land. Deterministic: part 0 waits for the warp's turn (seen: its
+    // early read), and the last part leaves the turn to pass.
+    auto add_dq = [&](int i, const float (&acc_dq)[kNTilesDq][4], int part, int seen) {
+      const bool ordered = takes_turns(i);
+      if (ordered && part == 0) wait_for_dq_turn(dq_turn(i), walk.awaited_dq_turn(i), seen);
+      const int64_t accum_row = dq_accum_row(i);
       float* dq_accum_lane =
           params.dq_accum + dq_layout.tile_offset(accum_row, step_head(i), dq_first_col + part * 8 * kNTilesDq) + 4 * lane;
 #pragma unroll
@@ -642,6 +705,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
                             acc_dq[2 * pair + 1][2 * half + 1]);
         }
       }
+      if (ordered && part == kDqParts - 1) turn_to_pass = i;
     };
 
     // Per step i: step i - 1's dQ (once the other warpgroup's half of its dSᵀ is stored), waited for and added;
@@ -656,17 +720,19 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       if (i > 0) {
         // Step i - 1's dQ, then step i's Sᵀ / dPᵀ: the dQ atomics run while Sᵀ / dPᵀ compute.
         float acc_dq[kNTilesDq][4];
+        pass_turn();
+        const int seen = read_turn_early(i - 1);
         issue_dq(i - 1, acc_dq, 0);
         issue_scores(i, acc_s, acc_dp);
         wgmma_wait<1>();  // dQ of step i - 1 (its first part)
         register_fence(acc_dq);
-        add_dq(i - 1, acc_dq, 0);
+        add_dq(i - 1, acc_dq, 0, seen);
         if constexpr (kDqParts == 2) issue_dq(i - 1, acc_dq, 1);
         issue_grads(i - 1);
         wgmma_wait<1>();  // Sᵀ, dPᵀ of step i (and dQ's second part); step i - 1's dV / dK may still run
         if constexpr (kDqParts == 2) {
           register_fence(acc_dq);
-          add_dq(i - 1, acc_dq, 1);
+          add_dq(i - 1, acc_dq, 1, 0);
         }
       } else {
         issue_scores(i, acc_s, acc_dp);
@@ -685,17 +751,20 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     if (num_steps > 0) {
       float acc_dq[kNTilesDq][4];
       // The last step's dQ and dV / dK issued together: the gradients' GEMMs run while the dQ is added.
+      pass_turn();
+      const int seen = read_turn_early(num_steps - 1);
       issue_dq(num_steps - 1, acc_dq, 0);
       issue_grads(num_steps - 1);
       wgmma_wait<1>();
       register_fence(acc_dq);
-      add_dq(num_steps - 1, acc_dq, 0);
+      add_dq(num_steps - 1, acc_dq, 0, seen);
       if constexpr (kDqParts == 2) {
         issue_dq(num_steps - 1, acc_dq, 1);
         wgmma_wait<0>();
         register_fence(acc_dq);
-        add_dq(num_steps - 1, acc_dq, 1);
+        add_dq(num_steps - 1, acc_dq, 1, 0);
       }
+      pass_turn();  // the walk's last: at once (its successors wait for it)
       wgmma_wait<0>();
       release_query_block(num_steps - 1);
       release_key_tile(bar_k_empty);  // the walk's last dQ completed

@@ -58,6 +58,7 @@ bool launch_dkdv(const BwdParams& params, cudaStream_t stream) {
   constexpr int kHeadDim = Tile::kHeadDim;
   static_assert(Tile::kBlockN == bwd_keys_per_walk(kHeadDim), "the dQ conversion counts walks by bwd_keys_per_walk");
   if (reinterpret_cast<uintptr_t>(params.row_stats) % 16 != 0) return false;
+  if (params.deterministic && params.dq_turns == nullptr) return false;  // no turns to order dQ by
   const BwdTmaShape shape(params, kHeadDim);
   BwdTensorMaps maps;
   if (!encode_tensor_map<Element, Tile::kBlockM>(&maps.q, params.q, shape.q, shape.rows_q, params.heads_q,
