@@ -101,7 +101,8 @@ struct BwdSm90Tile {
   // 2 x 64 + 2 x 2 x 8 KB; hd64 with 128-query steps: 32 + 2 x 32 + 2 x 2 x 32 KB).
   static constexpr int kStages = 2 * kKvBytes + 3 * 2 * kQBytes + 4 * kDsBytes <= 224 * 1024 ? 3 : 2;
   // K, V, Q[stage], dO[stage], dSᵀ[2], Pᵀ[2], lse[stage], D[stage], the mbarriers (K and V full, Q full
-  // [stage]; persistent: K empty, V empty), the release counters and the
+  // [stage]; persistent: K empty, V empty, and the turn keeper's turn granted[2] and dQ added[2]), the
+  // release counters and the
   // next tiles' slots, from the 1024-byte aligned base (the swizzle is computed from absolute addresses).
   static constexpr int kVOffset = kKvBytes;
   static constexpr int kQOffset = 2 * kKvBytes;
@@ -111,7 +112,7 @@ struct BwdSm90Tile {
   static constexpr int kLseOffset = kPOffset + 2 * kDsBytes;
   static constexpr int kDOffset = kLseOffset + kStages * kStatBytes;
   static constexpr int kBarrierOffset = kDOffset + kStages * kStatBytes;
-  static constexpr int kBarriers = 1 + kStages + (kPersistent ? 2 : 0);
+  static constexpr int kBarriers = 1 + kStages + (kPersistent ? 2 + 4 : 0);
   static constexpr int kCounterOffset = kBarrierOffset + 8 * kBarriers;
   static constexpr int kNextTileOffset = kCounterOffset + 4 * kStages;  // 2 ints (persistent CTAs' next tiles)
   static constexpr int kSmemBytes = kNextTileOffset + 8;
@@ -131,7 +132,7 @@ struct BwdSm90Tile {
 // over the (query head of the GQA group, query block) pairs, head-major, of the query blocks holding a row
 // that sees one of them. Tiles are numbered key block fastest, then kv head, then batch: the order in which
 // the dQ conversion expects sequences to finish (common/finished_walks.cuh).
-template <typename Tile>
+template <typename Tile, bool kOrdered>
 struct BwdWalk {
   int key_block, kv_head, batch;
   SequenceSpan q_span, k_span;
@@ -141,19 +142,19 @@ struct BwdWalk {
   bool has_keys;  // false: past this sequence's keys (a variable-length batch): nothing to compute or write
   int valid_keys;
   int first_query_block, blocks_per_head, num_steps;
-  int previous_first_block = 0, previous_blocks = 0;  // deterministic: query_blocks_seeing(key_block + 1)
+  int previous_first_block = 0, previous_blocks = 0;  // ordered: query_blocks_seeing(key_block + 1)
   int walk_rotation;
   int heads_per_kv;
   int64_t sequence_accum_row;  // row 0 of this sequence in the dQ accumulator's and row_stats' numbering
 
-  // The key block of `tile`: deterministic, a (batch, kv head)'s tiles take its key blocks from the last one
-  // down (the order of common/ordered_dq.cuh).
-  __device__ __forceinline__ static int key_block_of(const BwdParams& params, int tile, int key_blocks) {
+  // The key block of `tile`: ordered (deterministic), a (batch, kv head)'s tiles take its key blocks from the
+  // last one down (the order of common/ordered_dq.cuh).
+  __device__ __forceinline__ static int key_block_of(int tile, int key_blocks) {
     const int block = tile % key_blocks;
-    return params.deterministic ? key_blocks - 1 - block : block;
+    return kOrdered ? key_blocks - 1 - block : block;
   }
   __device__ __forceinline__ BwdWalk(const BwdParams& params, int tile, int key_blocks)
-      : key_block(key_block_of(params, tile, key_blocks)),
+      : key_block(key_block_of(tile, key_blocks)),
         kv_head(tile / key_blocks % params.heads_kv),
         batch(tile / key_blocks / params.heads_kv),
         q_span(params.query_span(batch)),
@@ -165,7 +166,7 @@ struct BwdWalk {
     has_keys = first_key < len_k;
     valid_keys = has_keys ? min(Tile::kBlockN, len_k - first_key) : 0;
     query_blocks_seeing(key_block, first_query_block, blocks_per_head);
-    if (params.deterministic) query_blocks_seeing(key_block + 1, previous_first_block, previous_blocks);
+    if (kOrdered) query_blocks_seeing(key_block + 1, previous_first_block, previous_blocks);
     heads_per_kv = params.heads_per_kv();
     num_steps = heads_per_kv * blocks_per_head;
     // At head_dim 256 each walk starts at a different query block (rotated by its key block), so that the
@@ -174,7 +175,7 @@ struct BwdWalk {
     // 2k / 8k / 16k, 2026-11-30: hd256 +16 / +9 / +11%, causal -1.5 / +6 / +13%; hd64 -1%, hd128 -2 to +1%
     // (left unrotated).
     // Not when deterministic: the order of common/ordered_dq.cuh relies on walks starting at their first block.
-    walk_rotation = blocks_per_head > 0 && !params.deterministic ? key_block % blocks_per_head : 0;
+    walk_rotation = blocks_per_head > 0 && !kOrdered ? key_block % blocks_per_head : 0;
     sequence_accum_row =
         DqAccumLayout::first_row(params.is_varlen() ? q_span.begin : int64_t{batch} * params.seqlen_q, batch);
   }
@@ -189,7 +190,7 @@ struct BwdWalk {
     first = row_begin / Tile::kBlockM;
     count = block_keys > 0 && row_end > row_begin ? (row_end + Tile::kBlockM - 1) / Tile::kBlockM - first : 0;
   }
-  // Deterministic: the turn this walk waits for at step i's query block (common/ordered_dq.cuh): key block
+  // Ordered: the turn this walk waits for at step i's query block (common/ordered_dq.cuh): key block
   // key_block + 1's, where that walk sees the block, else none (0); and the turn it passes on.
   __device__ __forceinline__ int awaited_dq_turn(int i) const {
     const int block = first_query_block + i % blocks_per_head;
@@ -209,13 +210,17 @@ struct BwdWalk {
 
 // kExtras: softcap and ALiBi (common/score_mod.cuh); kDropout (implies kExtras): dropout too, the keep
 // bits regenerated from the forward's Philox stream (common/dropout_bits.cuh), a variant of its own as in
-// the forward.
-template <typename Element, int kHeadDim, bool kExtras, bool kDropout>
+// the forward. kOrderedDq (deterministic = true): dQ added in the fixed order of common/ordered_dq.cuh; the
+// persistent kernel's turns are kept by the producer warpgroup's second warp (the turn keeper), the per-walk
+// kernel's by each consumer warp.
+template <typename Element, int kHeadDim, bool kExtras, bool kDropout, bool kOrderedDq>
 __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     attention_bwd_dkdv_sm90_kernel(const __grid_constant__ BwdParams params, const __grid_constant__ BwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = BwdSm90Tile<kHeadDim, kExtras>;
+  using Walk = BwdWalk<Tile, kOrderedDq>;
   constexpr bool kPersistent = Tile::kPersistent;
+  constexpr bool kTurnKeeper = kOrderedDq && kPersistent;
   static_assert(kExtras || !kDropout, "the dropout variant includes softcap and ALiBi");
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kBlockN = Tile::kBlockN;
@@ -247,6 +252,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   // Persistent only: the consumers' releases of K and V (8 warps each).
   const uint32_t bar_k_empty = bar_kv_full + 8 * (1 + kStages);
   const uint32_t bar_v_empty = bar_k_empty + 8;
+  // The turn keeper's (kTurnKeeper): step g's turn granted to the consumers, and their dQ of step g added
+  // (8 warps), in slot g % 2.
+  auto bar_turn_granted = [&](int g) { return bar_v_empty + 8 * (1 + g % 2); };
+  auto bar_dq_added = [&](int g) { return bar_v_empty + 8 * (3 + g % 2); };
   int* release_count = reinterpret_cast<int*>(smem + Tile::kCounterOffset);
 
   const int key_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
@@ -257,7 +266,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
 
   // Q, dO, lse log2(e) and D of step i of `walk` into buffer g % kStages, g = i + the CTA's steps before the
   // walk (one thread).
-  auto load_query_block = [&](const BwdWalk<Tile>& walk, int i, int steps_before) {
+  auto load_query_block = [&](const Walk& walk, int i, int steps_before) {
     const int stage = (steps_before + i) % kStages;
     const int head = walk.head(i);
     const int first_query = walk.first_query(i);
@@ -275,18 +284,18 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   };
   // A walk's V or K (one thread; both complete bar_kv_full, whose expected bytes load_values announces). No
   // TMA is issued for an empty walk (a CTA must not exit with copies into its shared memory in flight).
-  auto load_key_tile = [&](const BwdWalk<Tile>& walk, const CUtensorMap* map, uint32_t tile) {
+  auto load_key_tile = [&](const Walk& walk, const CUtensorMap* map, uint32_t tile) {
     const int key_row = static_cast<int>(walk.k_span.begin) + walk.first_key;
     const int tma_batch = params.is_varlen() ? 0 : walk.batch;
     for (int c = 0; c < Tile::kColumnRegions; ++c) {
       tma_load_4d(tile + c * kBlockN * 128, map, bar_kv_full, c * 64, key_row, walk.kv_head, tma_batch);
     }
   };
-  auto load_values = [&](const BwdWalk<Tile>& walk) {
+  auto load_values = [&](const Walk& walk) {
     mbarrier_arrive_expect_bytes(bar_kv_full, 2 * Tile::kKvBytes);
     load_key_tile(walk, &maps.v, smem_v);
   };
-  auto load_keys = [&](const BwdWalk<Tile>& walk) { load_key_tile(walk, &maps.k, smem_k); };
+  auto load_keys = [&](const Walk& walk) { load_key_tile(walk, &maps.k, smem_k); };
   if (threadIdx.x == 0) {
     mbarrier_init(bar_kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
@@ -296,6 +305,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     if constexpr (kPersistent) {
       mbarrier_init(bar_k_empty, Tile::kWarps);
       mbarrier_init(bar_v_empty, Tile::kWarps);
+    }
+    if constexpr (kTurnKeeper) {
+      for (int slot = 0; slot < 2; ++slot) {
+        mbarrier_init(bar_turn_granted(slot), 1);
+        mbarrier_init(bar_dq_added(slot), Tile::kWarps);
+      }
     }
     mbarrier_init_fence();
   }
@@ -318,15 +333,16 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr int kQueryBufferBarrier = 6;                      // + the buffer
   constexpr int kTileSlotFullBarrier = 6 + kStages;           // + the slot
   constexpr int kTileSlotFreeBarrier = kTileSlotFullBarrier + 2;  // + the slot
-  constexpr int kHandoffThreads = Tile::kConsumerThreads + 32;   // the consumers and the producer warp
+  // The consumers, the producer warp and the turn keeper's.
+  constexpr int kHandoffThreads = Tile::kConsumerThreads + 32 + (kTurnKeeper ? 32 : 0);
   static_assert(kTileSlotFreeBarrier + 2 <= 16, "a CTA has 16 named barriers");
   // The CTA's first tile: its index, or (per-walk CTAs, deterministic) the next from params.dkdv_tile_counter,
   // which the preprocess zeroes: so that the tiles a walk waits for (common/ordered_dq.cuh) were taken by CTAs
   // that had started, whatever order the CTAs are scheduled in.
-  const bool tile_from_counter = !kPersistent && params.deterministic;
+  const bool tile_from_counter = !kPersistent && kOrderedDq;
   int first_tile = blockIdx.x;
   auto load_first_key_tiles = [&] {
-    const BwdWalk<Tile> walk(params, first_tile, key_blocks);
+    const Walk walk(params, first_tile, key_blocks);
     if (walk.num_steps > 0) {
       load_values(walk);
       load_keys(walk);
@@ -350,6 +366,47 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     if (threadIdx.x >= Tile::kConsumerThreads) {
       // ---- producer: warp 8, whose first lane issues every load, walk after walk ----
       release_registers<Tile::kProducerRegisters>();
+      if constexpr (kTurnKeeper) {
+        if (threadIdx.x / 32 == Tile::kWarps + 1) {
+          // ---- turn keeper: warp 9, whose lane 0 keeps the CTA's dQ turns (common/ordered_dq.cuh), walk after
+          // walk: step g's turn read, step g - 1's passed on once all 8 consumer warps added its dQ
+          // (bar_dq_added), then step g's waited for if the read was early and granted to the consumers
+          // (bar_turn_granted). Granting g after passing g - 1 keeps slot g % 2's phases apart: the consumers
+          // have waited for step g - 2's grant before they added g - 1.
+          const bool keeper = threadIdx.x % 32 == 0;
+          int g = 0;
+          int* turn_to_pass = nullptr;  // step g - 1's
+          int passed_value = 0;
+          auto pass_turn = [&] {
+            if (turn_to_pass == nullptr) return;
+            mbarrier_wait(bar_dq_added(g - 1), static_cast<uint32_t>((g - 1) / 2) & 1);
+            if (keeper) release_dq_turn(turn_to_pass, passed_value);
+            turn_to_pass = nullptr;
+          };
+          int tile = first_tile;
+          for (int round = 0; tile < num_tiles; ++round) {
+            const Walk walk(params, tile, key_blocks);
+            for (int i = 0; i < walk.num_steps; ++i, ++g) {
+              int* turn = params.dq_turns + dq_turn_index(walk.head(i), params.dq_accum_rows,
+                                                          walk.sequence_accum_row + walk.first_query(i), 0);
+              const int seen = keeper ? read_dq_turn(turn) : 0;
+              pass_turn();
+              if (keeper) {
+                acquire_dq_turn(turn, walk.awaited_dq_turn(i), seen);
+                mbarrier_arrive(bar_turn_granted(g));
+              }
+              __syncwarp();
+              turn_to_pass = turn;
+              passed_value = walk.passed_dq_turn();
+            }
+            named_barrier_sync(kTileSlotFullBarrier + (round + 1) % 2, kHandoffThreads);
+            tile = next_tile_slot[(round + 1) % 2];
+            named_barrier_arrive(kTileSlotFreeBarrier + (round + 1) % 2, kHandoffThreads);
+          }
+          pass_turn();
+          return;
+        }
+      }
       if (threadIdx.x / 32 != Tile::kWarps) return;
       const bool leader = threadIdx.x == producer_thread;
       // Query buffer g % kStages free again: the consumers released step g's use of it. (bar.sync is .aligned:
@@ -363,7 +420,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       int tile = first_tile;
       int rounds = 0;  // rounds run: each wrote the next walk's tile into its slot (the last one past the end)
       for (int round = 0; tile < num_tiles; ++round, ++rounds) {
-        const BwdWalk<Tile> walk(params, tile, key_blocks);
+        const Walk walk(params, tile, key_blocks);
         const int num_steps = walk.num_steps;
         auto load_step = [&](int i) {
           const int g = steps_issued + i;
@@ -402,7 +459,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         named_barrier_arrive(kTileSlotFullBarrier + (round + 1) % 2, kHandoffThreads);
         if (leader) {
           if (next_tile < num_tiles && !params.is_varlen()) {
-            const int key_row = BwdWalk<Tile>::key_block_of(params, next_tile, key_blocks) * kBlockN;
+            const int key_row = BwdWalk<Tile, kOrderedDq>::key_block_of(next_tile, key_blocks) * kBlockN;
             const int kv_head_next = next_tile / key_blocks % params.heads_kv;
             const int batch_next = next_tile / key_blocks / params.heads_kv;
             for (int c = 0; c < Tile::kColumnRegions; ++c) {
@@ -424,7 +481,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     }
     claim_registers<Tile::kConsumerRegisters>();
   } else if (threadIdx.x == 0) {
-    const BwdWalk<Tile> walk(params, first_tile, key_blocks);
+    const Walk walk(params, first_tile, key_blocks);
     for (int i = 0; i < min(walk.num_steps, kStages); ++i) load_query_block(walk, i, 0);
   }
 
@@ -471,7 +528,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   int steps_before = 0;   // the CTA's steps in earlier walks: step i of a walk uses buffer (steps_before + i) % kStages
   uint32_t kv_phase = 0;  // parity of the next completion of bar_kv_full
   for (int round = 0; tile < num_tiles; ++round) {
-    const BwdWalk<Tile> walk(params, tile, key_blocks);
+    const Walk walk(params, tile, key_blocks);
     const int num_steps = walk.num_steps;
     const int batch = walk.batch;
     const int kv_head = walk.kv_head;
@@ -670,13 +727,13 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       return walk.sequence_accum_row + step_first_query(i) + dq_first_row + 16 * warp_in_group;
     };
     auto dq_turn = [&](int i) {
-      return params.dq_turns +
-             ((step_head(i) * params.dq_accum_rows + dq_accum_row(i)) / DqAccumLayout::kTileRows * 2 + group);
+      return params.dq_turns + dq_turn_index(step_head(i), params.dq_accum_rows, dq_accum_row(i), group);
     };
-    // Deterministic, where the warp's rows start inside the sequence: a warp whose 16 rows lie past its end
-    // adds zeros (to padding or to the next sequence's rows, whose turns are not its own), which commute.
+    // Per-warp turns (kOrderedDq, per-walk kernel), where the warp's rows start inside the sequence: a warp
+    // whose 16 rows lie past its end adds zeros (to padding or to the next sequence's rows, whose turns are not
+    // its own), which commute. (With the turn keeper, one turn per step covers all warps alike.)
     auto takes_turns = [&](int i) {
-      return params.deterministic && step_first_query(i) + dq_first_row + 16 * warp_in_group < len_q;
+      return kOrderedDq && !kTurnKeeper && step_first_query(i) + dq_first_row + 16 * warp_in_group < len_q;
     };
     // Lane 0's early read of step i's turn (issued before the GEMM whose wait precedes the first addition),
     // and the step whose turn is still to pass (-1: none): passed one step late, when its atomics completed.
@@ -688,10 +745,15 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     };
 
     // Step i's completed dQ added to the fp32 accumulator. Rows past the sequence's end (dS = 0) are added
-    // too: DqAccumLayout says where they land. Deterministic: part 0 waits for the warp's turn (seen: its
-    // early read), and the last part leaves the turn to pass.
+    // too: DqAccumLayout says where they land. Ordered: part 0 waits for the turn (the keeper's grant, or the
+    // warp's own, seen: its early read), and after the last part the turn is the keeper's to pass (the warp's
+    // arrival) or the warp's (one step later).
     auto add_dq = [&](int i, const float (&acc_dq)[kNTilesDq][4], int part, int seen) {
+      const int g = steps_before + i;
       const bool ordered = takes_turns(i);
+      if constexpr (kTurnKeeper) {
+        if (part == 0) mbarrier_wait(bar_turn_granted(g), static_cast<uint32_t>(g / 2) & 1);
+      }
       if (ordered && part == 0) wait_for_dq_turn(dq_turn(i), walk.awaited_dq_turn(i), seen);
       const int64_t accum_row = dq_accum_row(i);
       float* dq_accum_lane =
@@ -703,6 +765,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
           atomic_add_float4(dq_accum_lane + half * kRowGroupStride + pair * DqAccumLayout::kTileFloats,
                             acc_dq[2 * pair][2 * half], acc_dq[2 * pair][2 * half + 1], acc_dq[2 * pair + 1][2 * half],
                             acc_dq[2 * pair + 1][2 * half + 1]);
+        }
+      }
+      if constexpr (kTurnKeeper) {
+        if (part == kDqParts - 1) {
+          __syncwarp();
+          if (lane == 0) mbarrier_arrive(bar_dq_added(g));
         }
       }
       if (ordered && part == kDqParts - 1) turn_to_pass = i;

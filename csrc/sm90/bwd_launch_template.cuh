@@ -12,11 +12,12 @@
 
 namespace flash_ext::sm90 {
 
-// The dK/dV kernel's instantiations and the tile each uses (the plain one persistent and warp-specialised).
-template <typename Element, int kHeadDim>
-struct DkDvKernels : Sm90Variants<attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, false, false>,
-                                  attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, false>,
-                                  attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, true>> {
+// The dK/dV kernel's instantiations and the tile each uses (the plain one persistent and warp-specialised);
+// kOrderedDq: those of deterministic = true.
+template <typename Element, int kHeadDim, bool kOrderedDq>
+struct DkDvKernels : Sm90Variants<attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, false, false, kOrderedDq>,
+                                  attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, false, kOrderedDq>,
+                                  attention_bwd_dkdv_sm90_kernel<Element, kHeadDim, true, true, kOrderedDq>> {
   using PlainTile = BwdSm90Tile<kHeadDim, false>;
   using ExtrasTile = BwdSm90Tile<kHeadDim, true>;
 };
@@ -40,7 +41,7 @@ struct BwdTmaShape {
 
 template <Elem16 kElem, int kHeadDim>
 bool bwd_dkdv_applies(const BwdParams& params) {
-  if (!device_is_sm90() || !DkDvKernels<ElementOf<kElem>, kHeadDim>::has_code(params)) return false;
+  if (!device_is_sm90() || !DkDvKernels<ElementOf<kElem>, kHeadDim, false>::has_code(params)) return false;
   const BwdTmaShape shape(params, kHeadDim);
   const int64_t num_tiles =
       int64_t{(params.seqlen_k + BwdSm90Tile<kHeadDim, false>::kBlockN - 1) / BwdSm90Tile<kHeadDim, false>::kBlockN} *
@@ -94,10 +95,9 @@ bool launch_dkdv(const BwdParams& params, cudaStream_t stream) {
   return true;
 }
 
-template <Elem16 kElem, int kHeadDim>
-bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
-  using Element = ElementOf<kElem>;
-  using Kernels = DkDvKernels<Element, kHeadDim>;
+template <typename Element, int kHeadDim, bool kOrderedDq>
+bool launch_dkdv_variant(const BwdParams& params, cudaStream_t stream) {
+  using Kernels = DkDvKernels<Element, kHeadDim, kOrderedDq>;
   if (params.has_dropout()) {
     return launch_dkdv<Element, typename Kernels::ExtrasTile, Kernels::kDropout>(params, stream);
   }
@@ -105,6 +105,13 @@ bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
     return launch_dkdv<Element, typename Kernels::ExtrasTile, Kernels::kScoreMods>(params, stream);
   }
   return launch_dkdv<Element, typename Kernels::PlainTile, Kernels::kPlain>(params, stream);
+}
+
+template <Elem16 kElem, int kHeadDim>
+bool run_attention_bwd_dkdv(const BwdParams& params, cudaStream_t stream) {
+  using Element = ElementOf<kElem>;
+  if (params.deterministic) return launch_dkdv_variant<Element, kHeadDim, true>(params, stream);
+  return launch_dkdv_variant<Element, kHeadDim, false>(params, stream);
 }
 
 }  // namespace flash_ext::sm90
