@@ -333,8 +333,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr int kQueryBufferBarrier = 6;                      // + the buffer
   constexpr int kTileSlotFullBarrier = 6 + kStages;           // + the slot
   constexpr int kTileSlotFreeBarrier = kTileSlotFullBarrier + 2;  // + the slot
-  // The consumers, the producer warp and the turn keeper's.
-  constexpr int kHandoffThreads = Tile::kConsumerThreads + 32 + (kTurnKeeper ? 32 : 0);
+  // At the query buffers' barriers: the consumers and the producer warp; at the tile slots': the turn keeper too.
+  constexpr int kBufferThreads = Tile::kConsumerThreads + 32;
+  constexpr int kHandoffThreads = kBufferThreads + (kTurnKeeper ? 32 : 0);
   static_assert(kTileSlotFreeBarrier + 2 <= 16, "a CTA has 16 named barriers");
   // The CTA's first tile: its index, or (per-walk CTAs, deterministic) the next from params.dkdv_tile_counter,
   // which the preprocess zeroes: so that the tiles a walk waits for (common/ordered_dq.cuh) were taken by CTAs
@@ -413,7 +414,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       // the warp reconverges first, its lanes may have left the mbarrier waits' polling loops apart.)
       auto wait_for_release = [&](int g) {
         __syncwarp();
-        named_barrier_sync(kQueryBufferBarrier + g % kStages, kHandoffThreads);
+        named_barrier_sync(kQueryBufferBarrier + g % kStages, kBufferThreads);
       };
       // An empty mbarrier's first wait (parity 1 on a fresh barrier) passes: K and V start free.
       int steps_issued = 0, walks_loaded = 0;
@@ -545,7 +546,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       if constexpr (kPersistent) {
         // Every thread's reads of the buffer's lse / D (scores_to_gradients) are before its arrival; the
         // producer orders its TMA after them with a proxy fence once the barrier completed.
-        named_barrier_arrive(kQueryBufferBarrier + stage_of(i), kHandoffThreads);
+        named_barrier_arrive(kQueryBufferBarrier + stage_of(i), kBufferThreads);
       } else if (last_warp_to_release<Tile::kWarps>(&release_count[stage_of(i)]) && i + kStages < num_steps) {
         load_query_block(walk, i + kStages, steps_before);
       }
