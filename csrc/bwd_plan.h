@@ -24,7 +24,8 @@ enum class DkDvKernel { kSm80, kSm90 };
 
 struct BwdPlan {
   DkDvKernel dkdv = DkDvKernel::kSm80;
-  // dQ summed with atomics into the fp32 accumulator (deterministic = false), else the dQ kernel.
+  // dQ summed with atomics into the fp32 accumulator (deterministic = false, or true on the sm90 kernel, which
+  // orders them), else the dQ kernel.
   bool dq_by_atomics = false;
   // The sm80 dK/dV kernel's split tail walks (pieces > 1: split); only for the plain sm80 kernel.
   TailSplit tail_split;

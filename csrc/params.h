@@ -185,23 +185,23 @@ struct BwdParams : FwdParams {
   TensorStrides dout_strides, dq_strides, dk_strides, dv_strides;
 
   float* softmax_d = nullptr;  // D = rowsum(dout * out), fp32 scratch in lse's layout (CUDA)
-  // CUDA, deterministic = false: dQ summed with fp32 atomics into this zeroed buffer (tiled:
+  // CUDA, where the plan adds dQ with atomics (bwd_plan.h, dq_by_atomics): summed into this zeroed buffer (tiled:
   // common/dq_accum_layout.h), then scaled and rounded into dq.
   // nullptr: dQ by a separate atomic-free pass.
   float* dq_accum = nullptr;
   int64_t dq_accum_rows = 0;  // its rows per head (DqAccumLayout::rows_for)
-  // CUDA, deterministic = false: lse * log2(e) and D per query row in the dQ accumulator's row numbering
+  // CUDA, with dq_accum: lse * log2(e) and D per query row in the dQ accumulator's row numbering
   // ([2][heads_q][dq_accum_rows] floats: each sequence's rows 8-aligned, so that the sm90 dK/dV kernel
   // copies a query block's values in one 16-byte-aligned bulk copy); written by the preprocess kernel.
   // Padding rows are left unwritten (the kernel masks them).
   float* row_stats = nullptr;
-  // CUDA, deterministic = false: per (batch, kv head), the sm90 dK/dV kernel's finished CTAs (after
+  // CUDA, with dq_accum: per (batch, kv head), the sm90 dK/dV kernel's finished CTAs (after
   // dq_accum's floats, zeroed with them; one int per 128-byte line, kFinishedCounterStride). Where the
   // sm90 kernel ran, the dQ conversion is launched to overlap its last wave and converts a sequence's rows
   // once all of that sequence's CTAs are counted here (common/finished_walks.cuh); after the sm80 kernel
   // it simply runs after it.
   int* dkdv_finished = nullptr;
-  // CUDA, deterministic = false: the sm90 dK/dV kernel's tile counter (its persistent CTAs take tiles
+  // CUDA, with dq_accum: the sm90 dK/dV kernel's tile counter (its persistent CTAs take tiles
   // gridDim.x, gridDim.x + 1, ... from it); the 128-byte line after dkdv_finished's, zeroed with them.
   int* dkdv_tile_counter = nullptr;
   // CUDA, deterministic = true on the sm90 dK/dV kernel: the turns that order its dQ additions

@@ -1,4 +1,4 @@
-// Layout of the fp32 dQ accumulator of the CUDA backward with deterministic = false: scratch that
+// Layout of the fp32 dQ accumulator of the CUDA backward (bwd_plan.h, dq_by_atomics): scratch that
 // only the backward launcher (zeroes it with a memset), the dK/dV kernel (adds into it with atomics) and the
 // convert kernel (reads it back into dq) touch, so its layout is chosen for the atomics.
 //

@@ -22,7 +22,7 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream);
 constexpr int bwd_keys_per_walk(int head_dim) { return head_dim > 128 ? 64 : 128; }
 
 // Whether the sm90 dK/dV kernel can take a backward: as fwd_applies, for q, dout, k and v, with dk and dv
-// 4-byte aligned. (The plan takes it only with deterministic = false: it adds dQ with atomics.)
+// 4-byte aligned. (It adds dQ with atomics; with deterministic = true in a fixed order, common/ordered_dq.cuh.)
 template <Elem16 kElem, int kHeadDim>
 bool bwd_dkdv_applies(const BwdParams& params);
 // Runs the backward's dK/dV step (bwd_plan.h: dK, dV written, dQ added into params.dq_accum, each walk
