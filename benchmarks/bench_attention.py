@@ -39,9 +39,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 OPS = ("fwd", "bwd", "fwd_bwd")
-IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_ext_deterministic", "flash_ext_sm80")
-# flash_ext_deterministic (deterministic=True: no atomic dQ) and flash_ext_sm80 (the sm80 kernels on a Hopper
-# GPU, under flash_ext.testing.sm90_kernels(False)) are measured only when asked for.
+IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flash_ext_deterministic", "flash_ext_sm80",
+         "fa4", "fa4_deterministic")
+# flash_ext_deterministic (deterministic=True), flash_ext_sm80 (the sm80 kernels on a Hopper GPU, under
+# flash_ext.testing.sm90_kernels(False)) and FlashAttention-4 (flash_attn.cute.flash_attn_func, package
+# flash-attn-4; its deterministic=True too; scripts/fa4_bundle.sh makes it importable on the device) are
+# measured only when asked for.
 DEFAULT_IMPLS = IMPLS[:4]
 SDPA_BACKEND_NAMES = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
@@ -206,12 +209,22 @@ def git_commit():
     return "unknown"
 
 
+def dist_version_or_none(name):
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def run_metadata(torch, device="cuda"):
     cuda = device == "cuda" and torch.cuda.is_available()
     return {
         "gpu": torch.cuda.get_device_name() if cuda else "none",
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "fa4": dist_version_or_none("flash-attn-4"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
     }
@@ -261,7 +274,8 @@ class Outputs:
 
 
 def format_table(rows, impls=None):
-    """One line per (op, case, dtype, head_dim, causal, seqlen): TFLOP/s of each impl, flash_ext / best SDPA."""
+    """One line per (op, case, dtype, head_dim, causal, seqlen): TFLOP/s of each impl, flash_ext / best SDPA
+    (and flash_ext / FA4 where FA4 was measured)."""
     if impls is None:
         present = {r["impl"] for r in rows}
         impls = [i for i in IMPLS if i in present] + sorted(present - set(IMPLS))
@@ -274,7 +288,8 @@ def format_table(rows, impls=None):
     head = f"{'op':8s} {'hd':>4s} {'causal':>6s} {'seqlen':>6s} {'b x h':>8s}"
     if show_case:
         head = f"{'case':8s} {'dtype':5s} " + head
-    head += "".join(f" {i:>{width}s}" for i in impls) + f" {'ext/best':>8s}"
+    with_fa4 = "fa4" in impls
+    head += "".join(f" {i:>{width}s}" for i in impls) + f" {'ext/best':>8s}" + (f" {'ext/fa4':>8s}" if with_fa4 else "")
     lines = [head, "-" * len(head)]
     order = sorted(groups, key=lambda k: (OPS.index(k[0]) if k[0] in OPS else 9, k[0], k[1], k[2], k[3], k[4], k[5], k[6]))
     for k in order:
@@ -288,8 +303,12 @@ def format_table(rows, impls=None):
             line += f" {g[i]:{width}.1f}" if i in g else f" {'-':>{width}s}"
         sdpa = [g[i] for i in g if i.startswith("sdpa")]
         ratio = f"{g['flash_ext'] / max(sdpa):.2f}" if "flash_ext" in g and sdpa and max(sdpa) > 0 else "-"
-        lines.append(line + f" {ratio:>8s}")
-    lines.append("TFLOP/s (median); ext/best = flash_ext / best SDPA backend; '-' = not run or unsupported")
+        line += f" {ratio:>8s}"
+        if with_fa4:
+            line += f" {g['flash_ext'] / g['fa4']:8.2f}" if "flash_ext" in g and g.get("fa4") else f" {'-':>8s}"
+        lines.append(line)
+    lines.append("TFLOP/s (median); ext/best = flash_ext / best SDPA backend" + (", ext/fa4 = flash_ext / FA4"
+                 if with_fa4 else "") + "; '-' = not run or unsupported")
     return "\n".join(lines)
 
 
@@ -301,7 +320,7 @@ README_OPS = ("fwd", "bwd")
 README_SEQLENS = (2048, 8192, 16384)
 IMPL_TITLES = {"flash_ext": "flash_ext", "sdpa_flash": "SDPA FA2", "sdpa_cudnn": "SDPA cuDNN",
                "sdpa_efficient": "SDPA mem-efficient", "flash_ext_deterministic": "flash_ext deterministic",
-               "flash_ext_sm80": "flash_ext sm80 kernels"}
+               "flash_ext_sm80": "flash_ext sm80 kernels", "fa4": "FA4", "fa4_deterministic": "FA4 deterministic"}
 MARKDOWN_STYLES = ("readme", "full")
 
 
@@ -384,6 +403,8 @@ def format_markdown(rows, meta, style):
         lines += ["", f"**{op}** ({dtype}):", ""]
         head = ["head dim", "causal", "seqlen", "batch x heads"] + [IMPL_TITLES.get(i, i) for i in impls]
         head.append("flash_ext / best SDPA")
+        if "fa4" in impls:
+            head.append("flash_ext / FA4")
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         keys = sorted({(r["head_dim"], bool(r["causal"]), r["seqlen_q"]) for r in dense
                        if (r["op"], r.get("dtype", "bf16")) == (op, dtype)})
@@ -394,6 +415,9 @@ def format_markdown(rows, meta, style):
             sdpa = [row[i]["tflops"] for i in impls if i.startswith("sdpa") and row[i]]
             best = max(sdpa, default=0)
             ratio = f"{row['flash_ext']['tflops'] / best:.2f}" if row.get("flash_ext") and best > 0 else "-"
+            if "fa4" in impls:
+                both = row.get("flash_ext") and row.get("fa4")
+                ratio += f" | {row['flash_ext']['tflops'] / row['fa4']['tflops']:.2f}" if both else " | -"
             lines.append(f"| {hd} | {'yes' if causal else 'no'} | {seqlen_label(s)} | "
                          f"{shape['batch']} x {shape['heads']} | " + " | ".join(cols) + f" | {ratio} |")
     return "\n".join(lines)
@@ -555,6 +579,7 @@ class Bench:
         self.device = args.device
         self.timer = make_timer(torch) if self.device == "cuda" else make_cpu_timer()
         self.flash_ext = None
+        self.fa4 = None
         self.skips = {}  # reason -> list of labels
         self.disabled = {}  # (impl, op, head_dim, causal) -> reason (from the smoke check)
         self.correctness_failures = []
@@ -578,8 +603,22 @@ class Bench:
             print(f"note: cannot import flash_ext ({first_line(e)}); timing SDPA only")
             self.args.impls = [i for i in self.args.impls if not i.startswith("flash_ext")]
 
+    def import_fa4(self):
+        try:
+            import flash_attn.cute as fa4
+
+            self.fa4 = fa4
+            print(f"fa4: {fa4.__file__} (flash-attn-4 {dist_version_or_none('flash-attn-4')})")
+        except Exception as e:  # noqa: BLE001
+            print(f"note: cannot import flash_attn.cute (FlashAttention-4: {first_line(e)}); not timing fa4")
+            self.args.impls = [i for i in self.args.impls if not i.startswith("fa4")]
+
     def attn_fn(self, impl, causal):
-        """f(q, k, v) -> out, in the impl's own layout (flash_ext: b s h d; SDPA: b h s d)."""
+        """f(q, k, v) -> out, in the impl's own layout (flash_ext, FA4: b s h d; SDPA: b h s d)."""
+        if impl.startswith("fa4"):
+            fa4_attention = self.fa4.flash_attn_func
+            deterministic = impl == "fa4_deterministic"
+            return lambda q, k, v: fa4_attention(q, k, v, causal=causal, deterministic=deterministic)[0]
         if impl.startswith("flash_ext"):
             attention = self.flash_ext.attention
             deterministic = impl == "flash_ext_deterministic"
@@ -591,7 +630,7 @@ class Bench:
         if impl == "flash_ext_sm80":
             # Switches the extension's dispatch for the block (the C++ side reads no environment per call).
             return self.flash_ext.testing.sm90_kernels(False)
-        if impl.startswith("flash_ext"):
+        if impl.startswith(("flash_ext", "fa4")):
             return contextlib.nullcontext()
         return self.sdpa_kernel([self.backends[impl]])
 
@@ -702,7 +741,7 @@ class Bench:
         for impl in args.impls:
             is_ext = impl.startswith("flash_ext")
             fn = self.attn_fn(impl, causal)
-            ins, d = ((q, k, v), dout) if is_ext else (sdpa_inputs, sdpa_dout)
+            ins, d = ((q, k, v), dout) if is_ext or impl.startswith("fa4") else (sdpa_inputs, sdpa_dout)
             if is_ext and check_ref is not None and ("flash_ext", "fwd", head_dim, causal) not in self.disabled:
                 try:
                     with torch.no_grad():
@@ -804,6 +843,8 @@ def main(argv=None):
     bench = Bench(args, torch)
     if any(i.startswith("flash_ext") for i in args.impls):
         bench.import_flash_ext()
+    if any(i.startswith("fa4") for i in args.impls):
+        bench.import_fa4()
 
     rows = []
     start = time.time()
