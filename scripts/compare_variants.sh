@@ -15,8 +15,9 @@
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
 # At most 3 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
-# TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all), FEATURE_ARGS (more
-# bench_features.py arguments, e.g. "--head-dim 64").
+# TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all), TEST_PATHS (with
+# --tests: the test files or directories, default tests: the whole CUDA suite takes ~4 min on an H200),
+# TEST_TIMEOUT_S (default 240), FEATURE_ARGS (more bench_features.py arguments, e.g. "--head-dim 64").
 set -uo pipefail
 
 OUT=${OUT:-/tmp/flash_ext_out}
@@ -58,7 +59,8 @@ measure() {  # name dir
     echo "build ok; ptxas: $(grep -c 'Used [0-9]* registers' "/tmp/build_$name.log") kernels," \
          "$(grep 'bytes spill stores' "/tmp/build_$name.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads') with spills"
     if [ "$TESTS" = 1 ] && { [ -z "${TEST_VARIANTS:-}" ] || [[ ",$TEST_VARIANTS," == *",$name,"* ]]; }; then
-      timeout 240 "$PY" -m pytest tests -m cuda -q --maxfail=10 -p no:cacheprovider 2>&1 |
+      # shellcheck disable=SC2086  # TEST_PATHS: words
+      timeout "${TEST_TIMEOUT_S:-240}" "$PY" -m pytest ${TEST_PATHS:-tests} -m cuda -q --maxfail=10 -p no:cacheprovider 2>&1 |
         grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-400 | tail -n 12
       if [ "$SANITIZE" = 1 ]; then
         for tool in memcheck racecheck; do
