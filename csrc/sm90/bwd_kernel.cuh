@@ -370,8 +370,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       if constexpr (kTurnKeeper) {
         if (threadIdx.x / 32 == Tile::kWarps + 1) {
           // ---- turn keeper: warp 9, whose lane 0 keeps the CTA's dQ turns (common/ordered_dq.cuh), walk after
-          // walk: step g's turn read, step g - 1's passed on once all 8 consumer warps added its dQ
-          // (bar_dq_added), then step g's waited for if the read was early and granted to the consumers
+          // walk: step g's turn read early, step g - 1's passed on once all 8 consumer warps added its dQ
+          // (bar_dq_added), then step g's awaited (unless the early read matched) and granted to the consumers
           // (bar_turn_granted). Granting g after passing g - 1 keeps slot g % 2's phases apart: the consumers
           // have waited for step g - 2's grant before they added g - 1.
           const bool keeper = threadIdx.x % 32 == 0;
