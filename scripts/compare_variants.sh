@@ -17,7 +17,8 @@
 # At most 3 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
 # TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all), TEST_PATHS (with
 # --tests: the test files or directories, default tests: the whole CUDA suite takes ~4 min on an H200),
-# TEST_TIMEOUT_S (default 240), FEATURE_ARGS (more bench_features.py arguments, e.g. "--head-dim 64").
+# TEST_TIMEOUT_S (default 240), VARIANTS (a comma list of the .exp/ worktrees to measure beside the checkout;
+# default all of them), FEATURE_ARGS (more bench_features.py arguments, e.g. "--head-dim 64").
 set -uo pipefail
 
 OUT=${OUT:-/tmp/flash_ext_out}
@@ -83,6 +84,8 @@ measure() {  # name dir
 measure main "$REPO"
 if [ -d "$REPO/.exp" ]; then
   for dir in "$REPO"/.exp/*/; do
-    [ -f "$dir/setup.py" ] && measure "$(basename "$dir")" "${dir%/}"
+    name=$(basename "$dir")
+    if [ -n "${VARIANTS:-}" ] && [[ ",$VARIANTS," != *",$name,"* ]]; then continue; fi
+    [ -f "$dir/setup.py" ] && measure "$name" "${dir%/}"
   done
 fi
