@@ -91,7 +91,19 @@ void run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
     if constexpr (kernel_configs::sm90_has_fwd(kHeadDim)) {
       if (sm90_enabled() && sm90::run_attention_fwd<kElem, kHeadDim>(params, stream)) return;
     }
+    if (params.keys_in_cache()) throw std::logic_error("flash_ext: keys in a cache reach only the sm90 forward");
     sm80::run_attention_fwd<kElem, kHeadDim>(params, stream);
+  });
+}
+
+bool run_attention_fwd_keys_in_cache(const FwdParams& params, cudaStream_t stream) {
+  if (!sm90_enabled()) return false;
+  return dispatch_dtype_head_dim(params, [&](auto elem, auto head_dim) {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    if constexpr (kernel_configs::sm90_has_fwd(kHeadDim)) {
+      return sm90::run_attention_fwd<decltype(elem)::value, kHeadDim>(params, stream);
+    }
+    return false;
   });
 }
 

@@ -14,7 +14,12 @@
 namespace flash_ext {
 
 // Writes params.out and params.lse with the sm90 forward where it applies, else the sm80 one.
+// params.keys_in_cache() is not for this one.
 void run_attention_fwd(const FwdParams& params, cudaStream_t stream);
+
+// The forward of a variable-length q over keys read in place from a cache (params.keys_in_cache()): the sm90
+// kernel where it applies; false (nothing launched) otherwise, and the caller gathers the keys instead.
+bool run_attention_fwd_keys_in_cache(const FwdParams& params, cudaStream_t stream);
 
 // Every decision of a backward call (bwd_plan.h). params holds the tensors (q, k, v, out, dout, dq, dk,
 // dv, lse) and options; its scratch pointers are not read.

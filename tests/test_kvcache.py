@@ -512,6 +512,89 @@ def test_greedy_decode_matches_full_recompute(device, page_size, dtype):
     assert sequence.shape == (batch, prompt_len + steps)
 
 
+# ---- Prefill: more packed query rows than the decode kernel takes -------------------------------------------
+
+# The cache layouts of the prefill tests. On sm90 the forward reads the keys where they are (dense rows, rows
+# picked by cache_batch_idx from leftpad on, pages of 8 to 256 keys); pages with leftpad are gathered first.
+PREFILL_LAYOUTS = {
+    "dense": {},
+    "batch_idx_leftpad": dict(batch_idx=True, leftpad=(3, 20)),
+    "paged8": dict(page_size=8),
+    "paged16": dict(page_size=16),
+    "paged256": dict(page_size=256),
+    "paged16_leftpad": dict(page_size=16, leftpad=(3, 20)),
+}
+
+
+def prefill_case(head_dim, layout, seqlen_new=5, **options):
+    """70 queries x 4 query heads per kv head: 280 packed rows, past the decode kernel's 128."""
+    return case("cuda", torch.bfloat16, head_dim=head_dim, heads_q=8, heads_kv=2, seqlen_q=70, seqlen_new=seqlen_new,
+                seqlen_cache=700, cache_seqlens=(600, 37), **PREFILL_LAYOUTS[layout], **options)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [59, 64, 128, 256])
+@pytest.mark.parametrize("layout", list(PREFILL_LAYOUTS))
+@pytest.mark.parametrize("options", [dict(causal=False), dict(causal=True), dict(window_size=(90, 10), softcap=20.0),
+                                     dict(causal=True, rotary_dim=32, alibi="per_head")], ids=str)
+def test_prefill_against_the_reference(head_dim, layout, options):
+    check_call(*prefill_case(head_dim, layout, **options))
+
+
+def poison_unused_entries(k_cache, v_cache, kwargs, lengths):
+    """NaN in every cache entry that no sequence uses: positions outside [leftpad[b], lengths[b]) of sequence b's
+    row or pages, and rows or pages of no sequence."""
+    used = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    leftpad = kwargs.get("cache_leftpad")
+    for b, length in enumerate(lengths):
+        positions = torch.arange(0 if leftpad is None else int(leftpad[b]), length)
+        if "block_table" in kwargs:
+            page_size = k_cache.shape[1]
+            used[kwargs["block_table"][b].cpu().long()[positions // page_size], positions % page_size] = True
+        else:
+            row = int(kwargs["cache_batch_idx"][b]) if "cache_batch_idx" in kwargs else b
+            used[row, positions] = True
+    unused = (~used).to(k_cache.device)
+    k_cache[unused] = float("nan")
+    v_cache[unused] = float("nan")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("layout", list(PREFILL_LAYOUTS))
+def test_prefill_ignores_nan_past_each_sequence(head_dim, layout):
+    """Cache entries that no sequence uses hold NaN (a cache allocated with torch.empty may): the output is bitwise
+    that of the same call before the NaN went in (the forward reads whole tiles past each sequence's end)."""
+    args, kwargs = prefill_case(head_dim, layout, seqlen_new=None, causal=True)
+    q, k_cache, v_cache = args
+    with torch.no_grad():
+        clean = flash_ext.attention_with_kvcache(q, k_cache, v_cache, return_lse=True, **kwargs)
+    poison_unused_entries(k_cache, v_cache, kwargs, (600, 37))
+    with torch.no_grad():
+        poisoned = flash_ext.attention_with_kvcache(q, k_cache, v_cache, return_lse=True, **kwargs)
+    assert torch.isfinite(poisoned[0]).all()
+    assert torch.equal(poisoned[0], clean[0]) and torch.equal(poisoned[1], clean[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [None, 64], ids=["dense", "paged64"])
+def test_prefill_reads_the_cache_in_place_on_sm90(page_size):
+    """On sm90 a prefill call allocates its output, not a packed copy of the keys (2 x 64 MiB here)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-place read is the sm90 forward's")
+    args, kwargs = case("cuda", torch.bfloat16, head_dim=128, heads_q=32, heads_kv=8, seqlen_q=64, seqlen_new=None,
+                        seqlen_cache=16384, cache_seqlens=(16000, 9000), page_size=page_size, causal=True)
+    with torch.no_grad():
+        flash_ext.attention_with_kvcache(*args, **kwargs)  # warm-up: workspace and library handles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        flash_ext.attention_with_kvcache(*args, **kwargs)
+        torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra < 16 * 2**20, f"{extra / 2**20:.1f} MiB allocated by the call"
+
+
 # ---- CUDA graphs ----------------------------------------------------------------------------------------
 
 @pytest.mark.cuda

@@ -98,9 +98,45 @@ FwdResult attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, con
   return result();
 }
 
+std::optional<FwdResult> attention_fwd_keys_in_cache_cuda(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const AttentionOptions& options,
+                                                          const VarlenArgs& varlen_q, const CachedKeys& keys) {
+  const c10::cuda::CUDAGuard device_guard(q_in.device());
+  check_compute_capability(q_in);
+  // The caches are read where they are (a padded or re-laid-out copy would cost what the gather does).
+  if (!kernel_configs::sm90_has_fwd(static_cast<int>(q_in.size(-1))) || options.dropout_p > 0 ||
+      q_in.size(0) == 0 || varlen_q.max_seqlen_q == 0 || k_cache.stride(-1) != 1 || v_cache.stride(-1) != 1) {
+    return std::nullopt;
+  }
+  const at::Tensor q = usable_layout(q_in);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = empty_lse(q, varlen_q);
+  FwdParams p = make_fwd_params(q, k_cache, v_cache, out, lse, options, varlen_q, RngState{});
+  const auto ints = [](const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<int32_t>() : nullptr; };
+  p.key_lengths = keys.lengths.data_ptr<int32_t>();
+  p.key_starts = ints(keys.starts);
+  p.key_rows = ints(keys.rows);
+  p.block_table = ints(keys.block_table);
+  p.block_table_stride = keys.block_table.has_value() ? keys.block_table->stride(0) : 0;
+  p.cache_batch = k_cache.size(0);
+  p.cache_seqlen = k_cache.size(1);
+  p.total_k = 0;
+  if (!run_attention_fwd_keys_in_cache(p, stream)) return std::nullopt;
+  at::Tensor rng_state = at::empty({2}, q.options().dtype(at::kLong));  // no dropout: zeros
+  C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
+  return FwdResult{out, lse, rng_state};
+}
+
 FwdResult varlen_paged_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const AttentionOptions& options, const VarlenArgs& varlen, const PagedArgs& paged) {
   const c10::cuda::CUDAGuard device_guard(q.device());
+  if (paged.block_table.has_value()) {
+    const CachedKeys keys{bounded_key_counts(k, varlen, paged).to(at::kInt), std::nullopt, std::nullopt,
+                          paged.block_table->contiguous()};
+    const VarlenArgs varlen_q{varlen.cu_seqlens_q, std::nullopt, varlen.max_seqlen_q, varlen.max_seqlen_k};
+    if (auto result = attention_fwd_keys_in_cache_cuda(q, k, v, options, varlen_q, keys)) return *result;
+  }
   // The used keys' counts stay on the device: the packed batch is sized by a bound (varlen_keys_bound).
   const PackedKeys packed = pack_varlen_keys(k, v, varlen, paged, /*exact=*/false);
   return attention_fwd_cuda(q, packed.k, packed.v, options,

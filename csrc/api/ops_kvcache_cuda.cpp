@@ -10,6 +10,7 @@
 #include <ATen/TensorIndexing.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/clamp.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
@@ -201,18 +202,35 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
 
   const at::Tensor seqlens = seqlens_of();
   const at::Tensor leftpad = cache_leftpad.has_value() ? cache_leftpad->to(at::kLong) : at::zeros({batch}, longs);
-  // Each sequence's keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) packed, in batch * capacity rows (the
-  // lengths are on the device).
-  const PackedKeys packed =
-      pack_keys(k_cache, v_cache, storage_of(), leftpad, seqlens + seqlen_new - leftpad, batch * capacity);
-  const VarlenArgs varlen{(at::arange(batch + 1, longs) * seqlen_q).to(at::kInt), packed.cu_seqlens_k, seqlen_q,
-                          capacity};
-  // num_splits: how a decode kernel would split the keys; the varlen kernels' result does not depend on it.
-  auto [out, lse, rng_state] =
-      attention_fwd_cuda(q_used.reshape({batch * seqlen_q, heads_q, head_dim}), packed.k, packed.v, options, varlen);
+  // Each sequence's keys are [cache_leftpad[b], cache_seqlens[b] + seqlen_new) of its cache row or pages (the
+  // lengths are on the device; out-of-contract ones are clamped to the cache).
+  const at::Tensor lengths = at::clamp(seqlens + seqlen_new - leftpad, 0, capacity);
+  const at::Tensor cu_seqlens_q = (at::arange(batch + 1, longs) * seqlen_q).to(at::kInt);
+  const at::Tensor q_packed = q_used.reshape({batch * seqlen_q, heads_q, head_dim});
+  const auto result = [&](const at::Tensor& out, const at::Tensor& lse) -> KvcacheResult {
+    return {out.view({batch, seqlen_q, heads_q, head_dim}),
+            lse.view({heads_q, batch, seqlen_q}).permute({1, 0, 2}).contiguous()};
+  };
+  // num_splits: how a decode kernel would split the keys; the forward's result does not depend on it.
+  // Read in place from the cache where the sm90 forward takes the call (no leftpad with pages: their boxes
+  // would straddle pages); else gathered into packed rows.
+  if (!(paged && cache_leftpad.has_value())) {
+    const auto int32 = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+      if (!t.has_value()) return std::nullopt;
+      return t->to(at::kInt).contiguous();
+    };
+    const CachedKeys keys{lengths.to(at::kInt), int32(cache_leftpad), paged ? std::nullopt : int32(cache_batch_idx),
+                          int32(block_table)};
+    const VarlenArgs varlen_q{cu_seqlens_q, std::nullopt, seqlen_q, capacity};
+    if (auto fwd = attention_fwd_keys_in_cache_cuda(q_packed, k_cache, v_cache, options, varlen_q, keys)) {
+      return result(std::get<0>(*fwd), std::get<1>(*fwd));
+    }
+  }
+  const PackedKeys packed = pack_keys(k_cache, v_cache, storage_of(), leftpad, lengths, batch * capacity);
+  const VarlenArgs varlen{cu_seqlens_q, packed.cu_seqlens_k, seqlen_q, capacity};
+  auto [out, lse, rng_state] = attention_fwd_cuda(q_packed, packed.k, packed.v, options, varlen);
   (void)rng_state;
-  return {out.view({batch, seqlen_q, heads_q, head_dim}),
-          lse.view({heads_q, batch, seqlen_q}).permute({1, 0, 2}).contiguous()};
+  return result(out, lse);
 }
 
 }  // namespace flash_ext

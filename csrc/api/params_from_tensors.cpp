@@ -85,7 +85,8 @@ FwdParams make_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Te
     p.seqlen_q = static_cast<int>(varlen.max_seqlen_q);
     p.seqlen_k = static_cast<int>(varlen.max_seqlen_k);
     p.cu_seqlens_q = varlen.cu_seqlens_q->data_ptr<int32_t>();
-    p.cu_seqlens_k = varlen.cu_seqlens_k->data_ptr<int32_t>();
+    // (Absent for keys read from a cache, whose lengths the caller sets: params.h, keys_in_cache.)
+    p.cu_seqlens_k = varlen.cu_seqlens_k.has_value() ? varlen.cu_seqlens_k->data_ptr<int32_t>() : nullptr;
     p.lse_batch_stride = 0;
     p.lse_head_stride = q.size(0);
     p.total_q = q.size(0);

@@ -156,8 +156,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   const int len_k = static_cast<int>(k_span.length);
   const int first_row = m_block * kBlockM;
   if (first_row >= len_q) return;  // variable-length batch: past this sequence's end
-  // TMA coordinates: rows of the (packed) tensor, batch 0 in a variable-length batch.
+  // TMA coordinates: rows of the (packed) tensor, batch 0 in a variable-length batch; keys in a cache: rows
+  // of the sequence's cache row (a page's are looked up per load).
   const int tma_batch = params.is_varlen() ? 0 : batch;
+  const int k_tma_batch = !params.keys_in_cache() ? tma_batch : params.key_rows != nullptr ? params.key_rows[batch] : batch;
   const int q_row0 = static_cast<int>(q_span.begin) + first_row;
   const int k_row0 = static_cast<int>(k_span.begin);
   const int valid_rows = min(kBlockM, len_q - first_row);
@@ -192,14 +194,32 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   // K and V of the i-th visited block into buffer i % kStages.
   auto load_key_block = [&](int i) {
     const int stage = i % kStages;
-    const int key_row = k_row0 + (num_key_blocks - 1 - i) * kBlockN;
+    const int first_key = (num_key_blocks - 1 - i) * kBlockN;  // of the sequence
     mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
-    for (int c = 0; c < Tile::kColumnRegions; ++c) {
-      tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, tma_batch);
-    }
     mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
-    for (int c = 0; c < Tile::kColumnRegions; ++c) {
-      tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, tma_batch);
+    if (params.block_table == nullptr) {
+      for (int c = 0; c < Tile::kColumnRegions; ++c) {
+        tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, k_row0 + first_key, kv_head,
+                    k_tma_batch);
+        tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, k_row0 + first_key, kv_head,
+                    k_tma_batch);
+      }
+      return;
+    }
+    // Paged: boxes of min(page size, kBlockN) rows (both powers of two, so a box is inside one page). A box past
+    // the sequence's keys reads page cache_batch, outside the pool: TMA fills it with zeros and the table entry
+    // (which may be anything there) is not read.
+    const int page_size = static_cast<int>(params.cache_seqlen);
+    const int box_rows = min(page_size, kBlockN);
+    const int32_t* pages = params.block_table + batch * params.block_table_stride;
+    for (int r = 0; r < kBlockN; r += box_rows) {
+      const int key = first_key + r;
+      const int page = key < len_k ? pages[key / page_size] : static_cast<int>(params.cache_batch);
+      const int slot = key % page_size;
+      for (int c = 0; c < Tile::kColumnRegions; ++c) {
+        tma_load_4d(smem_k(stage) + c * kBlockN * 128 + r * 128, &maps.k, bar_k_full(stage), c * 64, slot, kv_head, page);
+        tma_load_4d(smem_v(stage) + c * kBlockN * 128 + r * 128, &maps.v, bar_v_full(stage), c * 64, slot, kv_head, page);
+      }
     }
   };
   // With one CTA per SM the hardware starts CTAs in launch order as SMs free up, so the CTA launched
@@ -267,6 +287,25 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   OnlineSoftmax<1> softmax;
 
   mbarrier_wait(bar_q_full, 0);
+  // Keys in a cache: the rows of the first visited block past the sequence's keys hold whatever the cache
+  // does there (stale or unwritten entries, NaN included), and a masked score's zero P times a NaN in V would
+  // still be NaN. They are zeroed in V before any P V reads it (K's are masked scores already).
+  if (params.keys_in_cache()) {
+    const int stale_rows = num_key_blocks * kBlockN - len_k;
+    if (stale_rows > 0) {
+      mbarrier_wait(bar_v_full(0), 0);
+      constexpr int kChunksPerRegionRow = 128 / 16;
+      const int chunks_per_region = stale_rows * kChunksPerRegionRow;
+      for (int idx = threadIdx.x; idx < Tile::kColumnRegions * chunks_per_region; idx += Tile::kThreads) {
+        const int region = idx / chunks_per_region;
+        const int row = kBlockN - stale_rows + idx % chunks_per_region / kChunksPerRegionRow;
+        const uint32_t offset = smem_v(0) - smem_base + region * kBlockN * 128 + row * 128 + idx % kChunksPerRegionRow * 16;
+        *reinterpret_cast<uint4*>(smem + offset) = make_uint4(0, 0, 0, 0);
+      }
+      fence_async_shared();  // the zeros, written by the generic proxy, are read by wgmma (the async proxy)
+      __syncthreads();
+    }
+  }
 
   if constexpr (kPipelined) {
     // Operand descriptors: a tile's base descriptor, formed per key block (opaque_u64, as in issue_qk_gemm),
