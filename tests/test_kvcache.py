@@ -515,14 +515,16 @@ def test_greedy_decode_matches_full_recompute(device, page_size, dtype):
 # ---- Prefill: more packed query rows than the decode kernel takes -------------------------------------------
 
 # The cache layouts of the prefill tests. On sm90 the forward reads the keys where they are (dense rows, rows
-# picked by cache_batch_idx from leftpad on, pages of 8 to 256 keys); pages with leftpad are gathered first.
+# picked by cache_batch_idx from leftpad on, pages of 64 keys or more, 32 or more at head_dim 256); smaller pages
+# and pages with leftpad are gathered first.
 PREFILL_LAYOUTS = {
     "dense": {},
     "batch_idx_leftpad": dict(batch_idx=True, leftpad=(3, 20)),
-    "paged8": dict(page_size=8),
     "paged16": dict(page_size=16),
+    "paged32": dict(page_size=32),
+    "paged64": dict(page_size=64),
     "paged256": dict(page_size=256),
-    "paged16_leftpad": dict(page_size=16, leftpad=(3, 20)),
+    "paged64_leftpad": dict(page_size=64, leftpad=(3, 20)),
 }
 
 

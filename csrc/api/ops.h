@@ -66,9 +66,9 @@ struct CachedKeys {
 };
 // The forward of a variable-length q (cu_seqlens_q, max_seqlen_q; max_seqlen_k bounds the lengths) over keys
 // read in place from k_cache / v_cache ((rows, positions, heads_kv, head_dim) caches or page pools): nullopt,
-// nothing launched, where no kernel reads them so (not sm90, a head dim without an sm90 kernel, dropout, a
-// page size that is not a power of two >= 8, paged with starts, layouts TMA cannot describe); the caller then
-// gathers the keys (packed_keys.h).
+// nothing launched, where no kernel reads them so (not sm90, a head dim without an sm90 kernel, dropout, pages
+// of other than a power of two of at least half a key tile, paged with starts, layouts TMA cannot describe);
+// the caller then gathers the keys (packed_keys.h).
 std::optional<FwdResult> attention_fwd_keys_in_cache_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                                           const at::Tensor& v_cache, const AttentionOptions& options,
                                                           const VarlenArgs& varlen_q, const CachedKeys& keys);

@@ -34,15 +34,19 @@ struct FwdTmaShape {
         v(with_unit_dims_filled(params.v_strides, rows_k, params.heads_kv, batch_k, head_dim)) {}
 };
 
-// Keys in a cache: its rows of positions or its pages. Pages are read in boxes of min(page size, kBlockN)
-// rows, which must lie inside one page and fill 1024-byte swizzle atoms: a power-of-two page size of at
-// least 8. Otherwise (or with key_starts, which would put boxes across pages) the caller gathers the keys.
-inline bool cache_layout_readable(const FwdParams& params) {
+// Keys in a cache: its rows of positions or its pages. Pages are read in one or two boxes per K or V tile
+// (min(page size, kBlockN) rows, inside one page): a power-of-two page size of at least kBlockN / 2. Smaller
+// pages (more boxes, each behind a block-table read on the loading warp's path) ran at 0.36x of the dense
+// forward against the gather's ~0.8x (page 16, prefill 2k x 30k, H200), so the caller gathers them, as with
+// key_starts, which would put boxes across pages.
+template <int kBlockN>
+bool cache_layout_readable(const FwdParams& params) {
   if (!params.keys_in_cache()) return true;
   if (params.cache_batch <= 0 || params.cache_seqlen <= 0 || params.cache_batch > INT32_MAX) return false;
   if (params.block_table == nullptr) return params.cache_seqlen <= INT32_MAX;
   const int64_t page = params.cache_seqlen;
-  return params.key_starts == nullptr && params.key_rows == nullptr && page >= 8 && (page & (page - 1)) == 0;
+  return params.key_starts == nullptr && params.key_rows == nullptr && page >= kBlockN / 2 && page <= INT32_MAX &&
+         (page & (page - 1)) == 0;
 }
 
 // Rows per K / V box: a tile, or a page where pages are smaller.
@@ -56,7 +60,7 @@ template <Elem16 kElem, int kHeadDim>
 bool fwd_applies(const FwdParams& params) {
   if (!device_is_sm90() || !FwdKernels<ElementOf<kElem>, kHeadDim>::has_code(params)) return false;
   if (!params.is_varlen() && params.keys_in_cache()) return false;
-  if (!cache_layout_readable(params)) return false;
+  if (!cache_layout_readable<FwdSm90Tile<kHeadDim>::kBlockN>(params)) return false;
   const FwdTmaShape shape(params, kHeadDim);
   return shape.rows_q > 0 && shape.rows_k > 0 && tma_compatible(params.q, shape.q) &&
          tma_compatible(params.k, shape.k) && tma_compatible(params.v, shape.v) &&
