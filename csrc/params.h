@@ -113,18 +113,13 @@ struct FwdParams {
   int64_t total_k = 0;             // varlen: rows of k and v
 
   // ---- Keys read in place from a cache (the sm90 forward only, variable-length q) ----
-  // key_lengths != nullptr: k and v are a cache, not packed rows, and sequence b's keys are its key_lengths[b]
-  // keys; key j is at position key_starts[b] + j (nullptr: j) of cache row key_rows[b] (nullptr: b) of
-  // (cache_batch, cache_seqlen, heads_kv, head_dim) tensors, or, with block_table, at slot j % cache_seqlen of
-  // page block_table[b * block_table_stride + j / cache_seqlen] of (pages, page size, heads_kv, head_dim)
-  // pools (cache_batch pages of cache_seqlen keys). Positions past a sequence's keys are never read into a score
-  // or an output: they may hold anything, NaN included. (attention_with_kvcache's prefill, attention_varlen's
-  // block_table: no gather into packed rows.)
+  // key_lengths != nullptr: k and v are (cache_batch, cache_seqlen, heads_kv, head_dim) caches, not packed rows,
+  // and sequence b's keys are its key_lengths[b] keys, key j at position key_starts[b] + j (nullptr: j) of cache
+  // row key_rows[b] (nullptr: b). Positions past a sequence's keys are never read into a score or an output:
+  // they may hold anything, NaN included. (attention_with_kvcache's prefill: no gather into packed rows.)
   const int32_t* key_lengths = nullptr;
   const int32_t* key_starts = nullptr;
   const int32_t* key_rows = nullptr;
-  const int32_t* block_table = nullptr;
-  int64_t block_table_stride = 0;
   int64_t cache_batch = 0;
   int64_t cache_seqlen = 0;
 
@@ -144,7 +139,7 @@ struct FwdParams {
     if (!is_varlen()) return {0, seqlen_q};
     return {cu_seqlens_q[b], static_cast<int64_t>(cu_seqlens_q[b + 1]) - cu_seqlens_q[b]};
   }
-  // (With keys in a cache: the positions in the sequence's cache row, or from 0 in its pages.)
+  // (With keys in a cache: the positions in the sequence's cache row.)
   FLASH_EXT_HOST_DEVICE SequenceSpan key_span(int64_t b) const {
     if (keys_in_cache()) return {key_starts != nullptr ? key_starts[b] : 0, key_lengths[b]};
     if (!is_varlen()) return {0, seqlen_k};

@@ -514,15 +514,12 @@ def test_greedy_decode_matches_full_recompute(device, page_size, dtype):
 
 # ---- Prefill: more packed query rows than the decode kernel takes -------------------------------------------
 
-# The cache layouts of the prefill tests. On sm90 the forward reads the keys where they are (dense rows, rows
-# picked by cache_batch_idx from leftpad on, pages of 64 keys or more, 32 or more at head_dim 256); smaller pages
-# and pages with leftpad are gathered first.
+# The cache layouts of the prefill tests. On sm90 the forward reads a dense cache where it is (rows picked by
+# cache_batch_idx, from leftpad on); pages are gathered first.
 PREFILL_LAYOUTS = {
     "dense": {},
     "batch_idx_leftpad": dict(batch_idx=True, leftpad=(3, 20)),
     "paged16": dict(page_size=16),
-    "paged32": dict(page_size=32),
-    "paged64": dict(page_size=64),
     "paged256": dict(page_size=256),
     "paged64_leftpad": dict(page_size=64, leftpad=(3, 20)),
 }
@@ -579,13 +576,13 @@ def test_prefill_ignores_nan_past_each_sequence(head_dim, layout):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("page_size", [None, 64], ids=["dense", "paged64"])
-def test_prefill_reads_the_cache_in_place_on_sm90(page_size):
-    """On sm90 a prefill call allocates its output, not a packed copy of the keys (2 x 64 MiB here)."""
+def test_prefill_reads_the_cache_in_place_on_sm90():
+    """On sm90 a prefill call on a dense cache allocates its output, not a packed copy of the keys (2 x 64 MiB
+    here)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-place read is the sm90 forward's")
     args, kwargs = case("cuda", torch.bfloat16, head_dim=128, heads_q=32, heads_kv=8, seqlen_q=64, seqlen_new=None,
-                        seqlen_cache=16384, cache_seqlens=(16000, 9000), page_size=page_size, causal=True)
+                        seqlen_cache=16384, cache_seqlens=(16000, 9000), causal=True)
     with torch.no_grad():
         flash_ext.attention_with_kvcache(*args, **kwargs)  # warm-up: workspace and library handles
         torch.cuda.synchronize()

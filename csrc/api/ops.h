@@ -58,22 +58,19 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
 FwdResult attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const AttentionOptions& options, const VarlenArgs& varlen);
 // Keys that a variable-length forward reads in place from a cache (params.h, keys_in_cache): int32 (batch,)
-// tensors on the cache's device, and the (batch, max_blocks) int32 block table; absent: positions from 0,
-// cache row b, not paged.
+// tensors on the cache's device; absent: positions from 0, cache row b.
 struct CachedKeys {
   at::Tensor lengths;
-  std::optional<at::Tensor> starts, rows, block_table;
+  std::optional<at::Tensor> starts, rows;
 };
 // The forward of a variable-length q (cu_seqlens_q, max_seqlen_q; max_seqlen_k bounds the lengths) over keys
-// read in place from k_cache / v_cache ((rows, positions, heads_kv, head_dim) caches or page pools): nullopt,
-// nothing launched, where no kernel reads them so (not sm90, a head dim without an sm90 kernel, dropout, pages
-// of other than a power of two of at least half a key tile, paged with starts, layouts TMA cannot describe);
-// the caller then gathers the keys (packed_keys.h).
+// read in place from (rows, positions, heads_kv, head_dim) caches k_cache / v_cache: nullopt, nothing launched,
+// where no kernel reads them so (not sm90, a head dim without an sm90 kernel, dropout, layouts TMA cannot
+// describe); the caller then gathers the keys (packed_keys.h).
 std::optional<FwdResult> attention_fwd_keys_in_cache_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                                           const at::Tensor& v_cache, const AttentionOptions& options,
                                                           const VarlenArgs& varlen_q, const CachedKeys& keys);
-// varlen_paged_fwd on CUDA: index values unchecked (no host sync); the keys read in place from the page pools
-// where the sm90 forward takes the call, else gathered into a packed batch sized by a bound.
+// varlen_paged_fwd on CUDA: index values unchecked (no host sync); the packed batch is sized by a bound.
 FwdResult varlen_paged_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const AttentionOptions& options, const VarlenArgs& varlen, const PagedArgs& paged);
 BwdResult attention_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -117,8 +117,6 @@ std::optional<FwdResult> attention_fwd_keys_in_cache_cuda(const at::Tensor& q_in
   p.key_lengths = keys.lengths.data_ptr<int32_t>();
   p.key_starts = ints(keys.starts);
   p.key_rows = ints(keys.rows);
-  p.block_table = ints(keys.block_table);
-  p.block_table_stride = keys.block_table.has_value() ? keys.block_table->stride(0) : 0;
   p.cache_batch = k_cache.size(0);
   p.cache_seqlen = k_cache.size(1);
   p.total_k = 0;
@@ -131,12 +129,6 @@ std::optional<FwdResult> attention_fwd_keys_in_cache_cuda(const at::Tensor& q_in
 FwdResult varlen_paged_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const AttentionOptions& options, const VarlenArgs& varlen, const PagedArgs& paged) {
   const c10::cuda::CUDAGuard device_guard(q.device());
-  if (paged.block_table.has_value()) {
-    const CachedKeys keys{bounded_key_counts(k, varlen, paged).to(at::kInt), std::nullopt, std::nullopt,
-                          paged.block_table->contiguous()};
-    const VarlenArgs varlen_q{varlen.cu_seqlens_q, std::nullopt, varlen.max_seqlen_q, varlen.max_seqlen_k};
-    if (auto result = attention_fwd_keys_in_cache_cuda(q, k, v, options, varlen_q, keys)) return *result;
-  }
   // The used keys' counts stay on the device: the packed batch is sized by a bound (varlen_keys_bound).
   const PackedKeys packed = pack_varlen_keys(k, v, varlen, paged, /*exact=*/false);
   return attention_fwd_cuda(q, packed.k, packed.v, options,

@@ -212,15 +212,15 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
             lse.view({heads_q, batch, seqlen_q}).permute({1, 0, 2}).contiguous()};
   };
   // num_splits: how a decode kernel would split the keys; the forward's result does not depend on it.
-  // Read in place from the cache where the sm90 forward takes the call (no leftpad with pages: their boxes
-  // would straddle pages); else gathered into packed rows.
-  if (!(paged && cache_leftpad.has_value())) {
+  // A dense cache is read in place where the sm90 forward takes the call; pages are gathered into packed rows
+  // (read in place through the block table, on the forward's loading warps' path, they ran at 0.36-0.81x of
+  // the dense forward for pages of 16-256 keys against the gather's ~0.8x: docs/design.md).
+  if (!paged) {
     const auto int32 = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
       if (!t.has_value()) return std::nullopt;
       return t->to(at::kInt).contiguous();
     };
-    const CachedKeys keys{lengths.to(at::kInt), int32(cache_leftpad), paged ? std::nullopt : int32(cache_batch_idx),
-                          int32(block_table)};
+    const CachedKeys keys{lengths.to(at::kInt), int32(cache_leftpad), int32(cache_batch_idx)};
     const VarlenArgs varlen_q{cu_seqlens_q, std::nullopt, seqlen_q, capacity};
     if (auto fwd = attention_fwd_keys_in_cache_cuda(q_packed, k_cache, v_cache, options, varlen_q, keys)) {
       return result(std::get<0>(*fwd), std::get<1>(*fwd));

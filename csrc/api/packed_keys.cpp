@@ -84,33 +84,18 @@ int64_t varlen_keys_bound(const at::Tensor& k, const VarlenArgs& varlen, const P
   return paged.block_table.has_value() ? rows : std::min(rows, k.size(0));
 }
 
-// Each sequence's key count as given: seqused_k, else the spans of cu_seqlens_k (int64 (batch,)).
-static at::Tensor given_key_counts(const VarlenArgs& varlen, const PagedArgs& paged, at::Tensor* spans) {
-  const int64_t batch = varlen.cu_seqlens_k->size(0) - 1;
-  const at::Tensor cu = varlen.cu_seqlens_k->to(at::kLong);
-  *spans = cu.narrow(0, 1, batch) - cu.narrow(0, 0, batch);
-  return paged.seqused_k.has_value() ? paged.seqused_k->to(at::kLong) : *spans;
-}
-
-at::Tensor bounded_key_counts(const at::Tensor& k, const VarlenArgs& varlen, const PagedArgs& paged) {
-  at::Tensor spans;
-  at::Tensor length = given_key_counts(varlen, paged, &spans);
-  if (!paged.block_table.has_value() && paged.seqused_k.has_value()) length = at::minimum(length, spans);
-  return at::clamp(length, 0, keys_per_sequence_bound(k, varlen, paged));
-}
-
 PackedKeys pack_varlen_keys(const at::Tensor& k, const at::Tensor& v, const VarlenArgs& varlen,
                             const PagedArgs& paged, bool exact) {
   const int64_t batch = varlen.cu_seqlens_k->size(0) - 1;
   const at::Tensor cu = varlen.cu_seqlens_k->to(at::kLong);
-  at::Tensor length;
+  const at::Tensor spans = cu.narrow(0, 1, batch) - cu.narrow(0, 0, batch);
+  at::Tensor length = paged.seqused_k.has_value() ? paged.seqused_k->to(at::kLong) : spans;
   int64_t rows;
   if (exact) {
-    at::Tensor spans;
-    length = given_key_counts(varlen, paged, &spans);
     rows = length.sum().item<int64_t>();
   } else {
-    length = bounded_key_counts(k, varlen, paged);
+    if (!paged.block_table.has_value() && paged.seqused_k.has_value()) length = at::minimum(length, spans);
+    length = at::clamp(length, 0, keys_per_sequence_bound(k, varlen, paged));
     rows = varlen_keys_bound(k, varlen, paged);
   }
   if (paged.block_table.has_value()) {

@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   const int first_row = m_block * kBlockM;
   if (first_row >= len_q) return;  // variable-length batch: past this sequence's end
   // TMA coordinates: rows of the (packed) tensor, batch 0 in a variable-length batch; keys in a cache: rows
-  // of the sequence's cache row (a page's are looked up per load).
+  // of the sequence's cache row.
   const int tma_batch = params.is_varlen() ? 0 : batch;
   const int k_tma_batch = !params.keys_in_cache() ? tma_batch : params.key_rows != nullptr ? params.key_rows[batch] : batch;
   const int q_row0 = static_cast<int>(q_span.begin) + first_row;
@@ -191,51 +191,19 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  // K and V of the i-th visited block into buffer i % kStages: all of K first (S waits for it; P V for V).
+  // K and V of the i-th visited block into buffer i % kStages.
   auto load_key_block = [&](int i) {
     const int stage = i % kStages;
-    const int first_key = (num_key_blocks - 1 - i) * kBlockN;  // of the sequence
-    if (params.block_table == nullptr) {
-      mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
-      for (int c = 0; c < Tile::kColumnRegions; ++c) {
-        tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, k_row0 + first_key, kv_head,
-                    k_tma_batch);
-      }
-      mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
-      for (int c = 0; c < Tile::kColumnRegions; ++c) {
-        tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, k_row0 + first_key, kv_head,
-                    k_tma_batch);
-      }
-      return;
-    }
-    // Paged: boxes of min(page size, kBlockN) rows (both powers of two, so a box is inside one page; at most
-    // two, launch_template.cuh's cache_layout_readable). A box past the sequence's keys reads page cache_batch,
-    // outside the pool: TMA fills it with zeros and the table entry (which may be anything there) is not read.
-    const int page_size = static_cast<int>(params.cache_seqlen);
-    const int box_rows = min(page_size, kBlockN);
-    const int32_t* pages = params.block_table + batch * params.block_table_stride;
-    auto page_of = [&](int r) {
-      const int key = first_key + r;
-      return key < len_k ? pages[key / page_size] : static_cast<int>(params.cache_batch);
-    };
-    const int page0 = page_of(0), page1 = box_rows < kBlockN ? page_of(box_rows) : page0;
-    const int slot0 = first_key % page_size;
+    const int key_row = k_row0 + (num_key_blocks - 1 - i) * kBlockN;
     mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
-    for (int r = 0; r < kBlockN; r += box_rows) {
-      for (int c = 0; c < Tile::kColumnRegions; ++c) {
-        tma_load_4d(smem_k(stage) + c * kBlockN * 128 + r * 128, &maps.k, bar_k_full(stage), c * 64, slot0 + r % box_rows,
-                    kv_head, r == 0 ? page0 : page1);
-      }
+    for (int c = 0; c < Tile::kColumnRegions; ++c) {
+      tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, k_tma_batch);
     }
     mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
-    for (int r = 0; r < kBlockN; r += box_rows) {
-      for (int c = 0; c < Tile::kColumnRegions; ++c) {
-        tma_load_4d(smem_v(stage) + c * kBlockN * 128 + r * 128, &maps.v, bar_v_full(stage), c * 64, slot0 + r % box_rows,
-                    kv_head, r == 0 ? page0 : page1);
-      }
+    for (int c = 0; c < Tile::kColumnRegions; ++c) {
+      tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, k_tma_batch);
     }
   };
-
   // With one CTA per SM the hardware starts CTAs in launch order as SMs free up, so the CTA launched
   // num_sm_ids() after this one starts about when this one ends. Its Q (read by no other CTA: a DRAM miss
   // otherwise) and its first K / V block go into L2 now. (A narrow window pays a CTA start per ~9 key blocks.)

@@ -19,7 +19,7 @@ using FwdKernels = Sm90Variants<attention_fwd_sm90_kernel<Element, kHeadDim, fal
                                 attention_fwd_sm90_kernel<Element, kHeadDim, true, true>>;
 
 // The tensors as TMA sees them: (batch, rows, heads, head_dim); a variable-length batch is one packed batch
-// entry of total rows; keys in a cache are its (rows or pages, positions, heads, head_dim).
+// entry of total rows; keys in a cache are its (rows, positions, heads, head_dim).
 struct FwdTmaShape {
   int64_t batch, rows_q, batch_k, rows_k;
   TensorStrides q, k, v;
@@ -34,33 +34,18 @@ struct FwdTmaShape {
         v(with_unit_dims_filled(params.v_strides, rows_k, params.heads_kv, batch_k, head_dim)) {}
 };
 
-// Keys in a cache: its rows of positions or its pages. Pages are read in one or two boxes per K or V tile
-// (min(page size, kBlockN) rows, inside one page): a power-of-two page size of at least kBlockN / 2. Smaller
-// pages (more boxes, each behind a block-table read on the loading warp's path) ran at 0.36x of the dense
-// forward against the gather's ~0.8x (page 16, prefill 2k x 30k, H200), so the caller gathers them, as with
-// key_starts, which would put boxes across pages.
-template <int kBlockN>
-bool cache_layout_readable(const FwdParams& params) {
+// Keys in a cache: TMA coordinates (rows, positions) in int32.
+inline bool cache_layout_readable(const FwdParams& params) {
   if (!params.keys_in_cache()) return true;
-  if (params.cache_batch <= 0 || params.cache_seqlen <= 0 || params.cache_batch > INT32_MAX) return false;
-  if (params.block_table == nullptr) return params.cache_seqlen <= INT32_MAX;
-  const int64_t page = params.cache_seqlen;
-  return params.key_starts == nullptr && params.key_rows == nullptr && page >= kBlockN / 2 && page <= INT32_MAX &&
-         (page & (page - 1)) == 0;
-}
-
-// Rows per K / V box: a tile, or a page where pages are smaller.
-template <int kBlockN>
-int key_box_rows(const FwdParams& params) {
-  return params.block_table != nullptr && params.cache_seqlen < kBlockN ? static_cast<int>(params.cache_seqlen)
-                                                                        : kBlockN;
+  return params.cache_batch > 0 && params.cache_batch <= INT32_MAX && params.cache_seqlen > 0 &&
+         params.cache_seqlen <= INT32_MAX;
 }
 
 template <Elem16 kElem, int kHeadDim>
 bool fwd_applies(const FwdParams& params) {
   if (!device_is_sm90() || !FwdKernels<ElementOf<kElem>, kHeadDim>::has_code(params)) return false;
   if (!params.is_varlen() && params.keys_in_cache()) return false;
-  if (!cache_layout_readable<FwdSm90Tile<kHeadDim>::kBlockN>(params)) return false;
+  if (!cache_layout_readable(params)) return false;
   const FwdTmaShape shape(params, kHeadDim);
   return shape.rows_q > 0 && shape.rows_k > 0 && tma_compatible(params.q, shape.q) &&
          tma_compatible(params.k, shape.k) && tma_compatible(params.v, shape.v) &&
@@ -76,10 +61,10 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
   FwdTensorMaps maps;
   if (!encode_tensor_map<Element, Tile::kBlockM>(&maps.q, params.q, shape.q, shape.rows_q, params.heads_q,
                                                  shape.batch, kHeadDim) ||
-      !encode_tensor_map_rows<Element>(&maps.k, params.k, shape.k, shape.rows_k, params.heads_kv, shape.batch_k,
-                                       kHeadDim, key_box_rows<Tile::kBlockN>(params)) ||
-      !encode_tensor_map_rows<Element>(&maps.v, params.v, shape.v, shape.rows_k, params.heads_kv, shape.batch_k,
-                                       kHeadDim, key_box_rows<Tile::kBlockN>(params))) {
+      !encode_tensor_map<Element, Tile::kBlockN>(&maps.k, params.k, shape.k, shape.rows_k, params.heads_kv,
+                                                 shape.batch_k, kHeadDim) ||
+      !encode_tensor_map<Element, Tile::kBlockN>(&maps.v, params.v, shape.v, shape.rows_k, params.heads_kv,
+                                                 shape.batch_k, kHeadDim)) {
     return false;
   }
 

@@ -47,30 +47,23 @@ inline TensorStrides with_unit_dims_filled(TensorStrides strides, int64_t seqlen
   return strides;
 }
 
-// Boxes of 64 columns x box_rows rows of one (head, batch), 128-byte swizzle, zeros outside the tensor.
-template <typename Element>
-bool encode_tensor_map_rows(CUtensorMap* map, const void* base, const TensorStrides& strides, int64_t seqlen,
-                            int64_t heads, int64_t batch, int64_t head_dim, int box_rows) {
+// Boxes of 64 columns x kRows rows of one (head, batch), 128-byte swizzle, zeros outside the tensor.
+template <typename Element, int kRows>
+bool encode_tensor_map(CUtensorMap* map, const void* base, const TensorStrides& strides, int64_t seqlen, int64_t heads,
+                       int64_t batch, int64_t head_dim) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seqlen),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const cuuint64_t byte_strides[3] = {static_cast<cuuint64_t>(strides.row * 2), static_cast<cuuint64_t>(strides.head * 2),
                                       static_cast<cuuint64_t>(strides.batch * 2)};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t box[4] = {64, kRows, 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUtensorMapDataType type = std::is_same_v<Element, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                           : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   return encode(map, type, 4, const_cast<void*>(base), dims, byte_strides, box, element_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-// The same with boxes of kRows rows (a kernel's tile).
-template <typename Element, int kRows>
-bool encode_tensor_map(CUtensorMap* map, const void* base, const TensorStrides& strides, int64_t seqlen, int64_t heads,
-                       int64_t batch, int64_t head_dim) {
-  return encode_tensor_map_rows<Element>(map, base, strides, seqlen, heads, batch, head_dim, kRows);
 }
 
 // Whether kKernel has sm_90a machine code in this build (a build for 80 only has none; PTX JIT would
