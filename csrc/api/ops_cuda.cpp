@@ -63,6 +63,15 @@ at::Tensor empty_lse(const at::Tensor& q, const VarlenArgs& varlen) {
                             : at::empty({q.size(0), q.size(2), q.size(1)}, options);
 }
 
+// [seed, offset] of a forward's dropout mask, zeroed (the kernel writes it only with dropout) by a memset:
+// at::zeros costs a fill kernel's host-side setup, ~15 us of a ~45 us call at small shapes (H200 host,
+// torch.profiler, 2026-11).
+at::Tensor zeroed_rng_state(const at::Tensor& q, cudaStream_t stream) {
+  at::Tensor rng_state = at::empty({2}, q.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
+  return rng_state;
+}
+
 at::Tensor empty_floats(int64_t count, const at::Tensor& like) {
   return at::empty({count}, like.options().dtype(at::kFloat));
 }
@@ -78,11 +87,7 @@ FwdResult attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, con
 
   at::Tensor out_padded = at::empty(q.sizes(), q.options());
   at::Tensor lse = empty_lse(q, varlen);
-  // [seed, offset] of the dropout mask, written by the forward kernel (zeros without dropout). Zeroed by a
-  // memset: at::zeros costs a fill kernel's host-side setup, ~15 us of a ~45 us call at small shapes
-  // (H200 host, torch.profiler, 2026-11).
-  at::Tensor rng_state = at::empty({2}, q.options().dtype(at::kLong));
-  C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
+  at::Tensor rng_state = zeroed_rng_state(q, stream);
   auto result = [&]() -> FwdResult { return {unpad_head_dim(out_padded, qkv.head_dim), lse, rng_state}; };
   if (out_padded.numel() == 0) return result();
   if (k.numel() == 0) {  // no keys at all: every row is empty
@@ -121,9 +126,7 @@ std::optional<FwdResult> attention_fwd_keys_in_cache_cuda(const at::Tensor& q_in
   p.cache_seqlen = k_cache.size(1);
   p.total_k = 0;
   if (!run_attention_fwd_keys_in_cache(p, stream)) return std::nullopt;
-  at::Tensor rng_state = at::empty({2}, q.options().dtype(at::kLong));  // no dropout: zeros
-  C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
-  return FwdResult{out, lse, rng_state};
+  return FwdResult{out, lse, zeroed_rng_state(q, stream)};
 }
 
 FwdResult varlen_paged_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

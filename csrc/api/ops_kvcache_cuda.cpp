@@ -213,8 +213,8 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
   };
   // num_splits: how a decode kernel would split the keys; the forward's result does not depend on it.
   // A dense cache is read in place where the sm90 forward takes the call; pages are gathered into packed rows
-  // (read in place through the block table, on the forward's loading warps' path, they ran at 0.36-0.81x of
-  // the dense forward for pages of 16-256 keys against the gather's ~0.8x: docs/design.md).
+  // (read in place through the block table by the forward's loading warps, they ran at 0.36x (page 16) to
+  // 0.81-0.91x (page 256) of the dense forward, no better than the gather: docs/design.md).
   if (!paged) {
     const auto int32 = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
       if (!t.has_value()) return std::nullopt;
