@@ -139,11 +139,16 @@ struct FwdParams {
     if (!is_varlen()) return {0, seqlen_q};
     return {cu_seqlens_q[b], static_cast<int64_t>(cu_seqlens_q[b + 1]) - cu_seqlens_q[b]};
   }
-  // (With keys in a cache: the positions in the sequence's cache row.)
+  // (Not for keys in a cache: cached_key_span.)
   FLASH_EXT_HOST_DEVICE SequenceSpan key_span(int64_t b) const {
-    if (keys_in_cache()) return {key_starts != nullptr ? key_starts[b] : 0, key_lengths[b]};
     if (!is_varlen()) return {0, seqlen_k};
     return {cu_seqlens_k[b], static_cast<int64_t>(cu_seqlens_k[b + 1]) - cu_seqlens_k[b]};
+  }
+  // Keys in a cache: the positions of sequence b's keys in its cache row. A function of its own, so that the
+  // kernels that never read a cache (all but the sm90 forward) keep key_span's code: a branch in key_span
+  // itself spilled 16 more bytes in the sm90 dK/dV kernel at hd128 (ptxas, sm_90a).
+  FLASH_EXT_HOST_DEVICE SequenceSpan cached_key_span(int64_t b) const {
+    return {key_starts != nullptr ? key_starts[b] : 0, key_lengths[b]};
   }
 
   // The keys query `row` sees in a sequence of len_q queries and len_k keys, clamped to

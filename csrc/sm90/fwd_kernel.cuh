@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   const int batch = blockIdx.z;
   const int kv_head = head / params.heads_per_kv();
   const SequenceSpan q_span = params.query_span(batch);
-  const SequenceSpan k_span = params.key_span(batch);
+  const SequenceSpan k_span = params.keys_in_cache() ? params.cached_key_span(batch) : params.key_span(batch);
   const int len_q = static_cast<int>(q_span.length);
   const int len_k = static_cast<int>(k_span.length);
   const int first_row = m_block * kBlockM;
