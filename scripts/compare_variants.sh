@@ -14,7 +14,10 @@
 #   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [--decode] [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
-# At most 3 worktrees (8 files come back from a device call). Environment: OUT, PYTHON, MAX_JOBS (16),
+# Every version is built (and tested) first; then the benchmark runs ROUNDS times (default 1), the versions
+# taking turns within a round, so that a drift of the GPU's clocks over the call does not favour one of them
+# (rounds after the first write <name>_r<k>.json). SKIP_BUILD=1 reuses the builds of an earlier run in the
+# same (warm) call. At most 3 worktrees. Environment: OUT, PYTHON, MAX_JOBS (16),
 # TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all), TEST_PATHS (with
 # --tests: the test files or directories, default tests: the whole CUDA suite takes ~4 min on an H200),
 # TEST_TIMEOUT_S (default 240), VARIANTS (a comma list of the .exp/ worktrees to measure beside the checkout;
@@ -49,16 +52,31 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PATH="$CUDA_HOME/bin:$PATH"
 export FLASH_EXT_CUDA_ARCHS=${FLASH_EXT_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} FLASH_EXT_PTXAS_VERBOSE=1 PYTHONUNBUFFERED=1
 
-measure() {  # name dir
+# The worktrees to measure beside the checkout: name and directory, one pair per line.
+versions() {
+  echo "main $REPO"
+  if [ -d "$REPO/.exp" ]; then
+    for dir in "$REPO"/.exp/*/; do
+      local name
+      name=$(basename "$dir")
+      if [ -n "${VARIANTS:-}" ] && [[ ",$VARIANTS," != *",$name,"* ]]; then continue; fi
+      [ -f "$dir/setup.py" ] && echo "$name ${dir%/}"
+    done
+  fi
+}
+
+prepare() {  # name dir: build, ptxas summary, tests; a failed build leaves $OUT/<name>.failed
   local name=$1 dir=$2 report="$OUT/$1.txt"
   echo "==== $name ($dir)" | tee "$report"
   (
     cd "$dir" || exit 1
-    if ! "$PY" setup.py build_ext --inplace >"/tmp/build_$name.log" 2>&1; then
-      echo "build FAILED:"; grep -E "error" "/tmp/build_$name.log" | head -n 20; exit 1
+    if [ "${SKIP_BUILD:-0}" != 1 ]; then
+      if ! "$PY" setup.py build_ext --inplace >"/tmp/build_$name.log" 2>&1; then
+        echo "build FAILED:"; grep -E "error" "/tmp/build_$name.log" | head -n 20; touch "$OUT/$name.failed"; exit 1
+      fi
+      echo "build ok; ptxas: $(grep -c 'Used [0-9]* registers' "/tmp/build_$name.log") kernels," \
+           "$(grep 'bytes spill stores' "/tmp/build_$name.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads') with spills"
     fi
-    echo "build ok; ptxas: $(grep -c 'Used [0-9]* registers' "/tmp/build_$name.log") kernels," \
-         "$(grep 'bytes spill stores' "/tmp/build_$name.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads') with spills"
     if [ "$TESTS" = 1 ] && { [ -z "${TEST_VARIANTS:-}" ] || [[ ",$TEST_VARIANTS," == *",$name,"* ]]; }; then
       # shellcheck disable=SC2086  # TEST_PATHS: words
       timeout "${TEST_TIMEOUT_S:-240}" "$PY" -m pytest ${TEST_PATHS:-tests} -m cuda -q --maxfail=10 -p no:cacheprovider 2>&1 |
@@ -71,7 +89,17 @@ measure() {  # name dir
         done
       fi
     fi
-    PYTHONPATH="$PWD" timeout 300 "$PY" "$BENCH" "${BENCH_ARGS[@]}" --json "$OUT/$name.json" 2>&1 |
+  ) 2>&1 | tee -a "$report"
+}
+
+bench() {  # name dir round
+  local name=$1 dir=$2 round=$3 report="$OUT/$1.txt" json="$OUT/$1.json"
+  [ -f "$OUT/$name.failed" ] && return
+  [ "$round" -gt 1 ] && json="$OUT/${name}_r$round.json"
+  (
+    cd "$dir" || exit 1
+    echo "-- $name, round $round"
+    PYTHONPATH="$PWD" timeout 300 "$PY" "$BENCH" "${BENCH_ARGS[@]}" --json "$json" 2>&1 |
       grep -E "$BENCH_LINES"
     if [ "$FEATURES" = 1 ]; then
       # shellcheck disable=SC2086  # FEATURE_ARGS: words
@@ -81,11 +109,7 @@ measure() {  # name dir
   ) 2>&1 | tee -a "$report"
 }
 
-measure main "$REPO"
-if [ -d "$REPO/.exp" ]; then
-  for dir in "$REPO"/.exp/*/; do
-    name=$(basename "$dir")
-    if [ -n "${VARIANTS:-}" ] && [[ ",$VARIANTS," != *",$name,"* ]]; then continue; fi
-    [ -f "$dir/setup.py" ] && measure "$name" "${dir%/}"
-  done
-fi
+while read -r name dir <&3; do prepare "$name" "$dir"; done 3< <(versions)
+for round in $(seq 1 "${ROUNDS:-1}"); do
+  while read -r name dir <&3; do bench "$name" "$dir" "$round"; done 3< <(versions)
+done
