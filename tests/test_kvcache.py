@@ -576,12 +576,13 @@ def test_prefill_ignores_nan_past_each_sequence(head_dim, layout):
 
 
 @pytest.mark.cuda
-def test_prefill_reads_the_cache_in_place_on_sm90():
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_prefill_reads_the_cache_in_place_on_sm90(head_dim):
     """On sm90 a prefill call on a dense cache allocates its output, not a packed copy of the keys (2 x 64 MiB
-    here)."""
+    at head_dim 128 here). (Head dim 64 gathers: FwdSm90Tile::kReadsCache.)"""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-place read is the sm90 forward's")
-    args, kwargs = case("cuda", torch.bfloat16, head_dim=128, heads_q=32, heads_kv=8, seqlen_q=64, seqlen_new=None,
+    args, kwargs = case("cuda", torch.bfloat16, head_dim=head_dim, heads_q=32, heads_kv=8, seqlen_q=64, seqlen_new=None,
                         seqlen_cache=16384, cache_seqlens=(16000, 9000), causal=True)
     with torch.no_grad():
         flash_ext.attention_with_kvcache(*args, **kwargs)  # warm-up: workspace and library handles

@@ -73,6 +73,12 @@ struct FwdSm90Tile {
   // 2.13 ms, ALiBi 2.24 -> 2.14 ms; hd64 -2.4 / -3.5%; hd256 -22 / -14% (with 2 buffers block i + 1's K
   // goes into block i - 1's buffer, free only once that block's P V completed: every S waits for its load).
   static constexpr bool kPipelined = kHeadDim == 128;
+  // Keys read in place from a KV cache (params.keys_in_cache()) at head_dim 128 and 256 only: at hd64 the
+  // cache's few instructions (its span, its rows' TMA coordinate, zeroing stale V rows) made ptxas schedule
+  // the main loop differently and the training forward 2-3% slower (H200, bf16, 16k tokens, fwd 2k / 8k, causal
+  // or not, two interleaved rounds beside the build without them, 2026-12-02), also with the zeroing moved
+  // into a function of its own (-4% at 2k). hd64 prefills gather their keys (api/ops_kvcache_cuda.cpp).
+  static constexpr bool kReadsCache = kHeadDim != 64;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kColumnRegions = kHeadDim / 64;       // 64 16-bit columns = one 128-byte row
@@ -150,8 +156,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int kv_head = head / params.heads_per_kv();
+  const bool keys_in_cache = Tile::kReadsCache && params.keys_in_cache();
   const SequenceSpan q_span = params.query_span(batch);
-  const SequenceSpan k_span = params.keys_in_cache() ? params.cached_key_span(batch) : params.key_span(batch);
+  const SequenceSpan k_span = keys_in_cache ? params.cached_key_span(batch) : params.key_span(batch);
   const int len_q = static_cast<int>(q_span.length);
   const int len_k = static_cast<int>(k_span.length);
   const int first_row = m_block * kBlockM;
@@ -159,7 +166,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   // TMA coordinates: rows of the (packed) tensor, batch 0 in a variable-length batch; keys in a cache: rows
   // of the sequence's cache row.
   const int tma_batch = params.is_varlen() ? 0 : batch;
-  const int k_tma_batch = !params.keys_in_cache() ? tma_batch : params.key_rows != nullptr ? params.key_rows[batch] : batch;
+  const int k_tma_batch = !keys_in_cache ? tma_batch : params.key_rows != nullptr ? params.key_rows[batch] : batch;
   const int q_row0 = static_cast<int>(q_span.begin) + first_row;
   const int k_row0 = static_cast<int>(k_span.begin);
   const int valid_rows = min(kBlockM, len_q - first_row);
@@ -272,7 +279,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   // Keys in a cache: the rows of the first visited block past the sequence's keys hold whatever the cache
   // does there (stale or unwritten entries, NaN included), and a masked score's zero P times a NaN in V would
   // still be NaN. They are zeroed in V before any P V reads it (K's are masked scores already).
-  if (params.keys_in_cache()) {
+  if (keys_in_cache) {
     const int stale_rows = num_key_blocks * kBlockN - len_k;
     if (stale_rows > 0) {
       mbarrier_wait(bar_v_full(0), 0);

@@ -44,7 +44,7 @@ inline bool cache_layout_readable(const FwdParams& params) {
 template <Elem16 kElem, int kHeadDim>
 bool fwd_applies(const FwdParams& params) {
   if (!device_is_sm90() || !FwdKernels<ElementOf<kElem>, kHeadDim>::has_code(params)) return false;
-  if (!params.is_varlen() && params.keys_in_cache()) return false;
+  if (params.keys_in_cache() && (!params.is_varlen() || !FwdSm90Tile<kHeadDim>::kReadsCache)) return false;
   if (!cache_layout_readable(params)) return false;
   const FwdTmaShape shape(params, kHeadDim);
   return shape.rows_q > 0 && shape.rows_k > 0 && tma_compatible(params.q, shape.q) &&
