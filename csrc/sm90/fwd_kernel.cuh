@@ -156,9 +156,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int kv_head = head / params.heads_per_kv();
-  const bool keys_in_cache = Tile::kReadsCache && params.keys_in_cache();
+  // (Re-read from the parameters at each use: held in a register, it changed the hd128 / hd256 schedules.)
+  auto keys_in_cache = [&] { return Tile::kReadsCache && params.keys_in_cache(); };
   const SequenceSpan q_span = params.query_span(batch);
-  const SequenceSpan k_span = keys_in_cache ? params.cached_key_span(batch) : params.key_span(batch);
+  const SequenceSpan k_span = keys_in_cache() ? params.cached_key_span(batch) : params.key_span(batch);
   const int len_q = static_cast<int>(q_span.length);
   const int len_k = static_cast<int>(k_span.length);
   const int first_row = m_block * kBlockM;
@@ -166,7 +167,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   // TMA coordinates: rows of the (packed) tensor, batch 0 in a variable-length batch; keys in a cache: rows
   // of the sequence's cache row.
   const int tma_batch = params.is_varlen() ? 0 : batch;
-  const int k_tma_batch = !keys_in_cache ? tma_batch : params.key_rows != nullptr ? params.key_rows[batch] : batch;
+  const int k_tma_batch = !keys_in_cache() ? tma_batch : params.key_rows != nullptr ? params.key_rows[batch] : batch;
   const int q_row0 = static_cast<int>(q_span.begin) + first_row;
   const int k_row0 = static_cast<int>(k_span.begin);
   const int valid_rows = min(kBlockM, len_q - first_row);
@@ -279,7 +280,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   // Keys in a cache: the rows of the first visited block past the sequence's keys hold whatever the cache
   // does there (stale or unwritten entries, NaN included), and a masked score's zero P times a NaN in V would
   // still be NaN. They are zeroed in V before any P V reads it (K's are masked scores already).
-  if (keys_in_cache) {
+  if (keys_in_cache()) {
     const int stale_rows = num_key_blocks * kBlockN - len_k;
     if (stale_rows > 0) {
       mbarrier_wait(bar_v_full(0), 0);
