@@ -123,6 +123,10 @@ struct FwdParams {
   int64_t cache_batch = 0;
   int64_t cache_seqlen = 0;
 
+  // The persistent sm90 forward's CTAs take their tiles after the first gridDim.x, ... from this counter, zeroed
+  // per call (api/ops_cuda.cpp); nullptr: that kernel is not launched.
+  int* tile_counter = nullptr;
+
   FLASH_EXT_HOST_DEVICE int heads_per_kv() const { return heads_q / heads_kv; }
 
   FLASH_EXT_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }

@@ -27,11 +27,14 @@ DQ_PATH_IDS = [path.id for path in DQ_PATHS]
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES)
 @pytest.mark.parametrize("seqlen_q,seqlen_k,window_size", [(1100, 1100, (16, 0)), (1100, 1100, (300, 200)),
                                                            (1100, 700, (0, 0)), (900, 1300, (1024, 0)),
-                                                           (1100, 1100, (129, -1))], ids=str)
-def test_window_walk_over_many_tiles(seqlen_q, seqlen_k, window_size, dtype):
-    """hd128 windows take the persistent forward (one CTA per SM walking row blocks): with 3 x 8 heads x 7-9
-    row blocks there are more tiles than SMs, so each CTA reuses its buffers over several tiles of different
-    lengths (and, with seqlen_q > seqlen_k at window (0, 0), skips tiles that see no key)."""
+                                                           (1100, 1100, (129, -1)), (1100, 1100, (-1, -1)),
+                                                           (1100, 1100, (-1, 0)), (2100, 700, (-1, 0)),
+                                                           (700, 1300, (-1, 0))], ids=str)
+def test_persistent_forward_over_many_tiles(seqlen_q, seqlen_k, window_size, dtype):
+    """hd128 calls without softcap / ALiBi / dropout take the persistent forward (one CTA per SM taking row
+    blocks from a counter): with 3 x 8 heads x 6-17 row blocks there are more tiles than SMs, so each CTA reuses
+    its buffers over several tiles of different lengths (and, with seqlen_q > seqlen_k at window (0, 0) or
+    causal, passes tiles that see no key between others)."""
     q, k, v = make_qkv(3, seqlen_q, seqlen_k, 8, 4, 128, dtype, device="cuda")
     check_forward(q, k, v, causal=False, window_size=window_size)
     # Twice in a row: a walk must leave nothing behind that the next launch depends on.

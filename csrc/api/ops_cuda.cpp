@@ -63,13 +63,18 @@ at::Tensor empty_lse(const at::Tensor& q, const VarlenArgs& varlen) {
                             : at::empty({q.size(0), q.size(2), q.size(1)}, options);
 }
 
-// [seed, offset] of a forward's dropout mask, zeroed (the kernel writes it only with dropout) by a memset:
-// at::zeros costs a fill kernel's host-side setup, ~15 us of a ~45 us call at small shapes (H200 host,
-// torch.profiler, 2026-11).
-at::Tensor zeroed_rng_state(const at::Tensor& q, cudaStream_t stream) {
-  at::Tensor rng_state = at::empty({2}, q.options().dtype(at::kLong));
-  C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
-  return rng_state;
+// A forward's zeroed state: [seed, offset] of its dropout mask (the kernel writes them only with dropout; the
+// op's rng_state output) and the persistent sm90 forward's tile counter, zeroed by one memset: at::zeros costs
+// a fill kernel's host-side setup, ~15 us of a ~45 us call at small shapes (H200 host, torch.profiler, 2026-11).
+struct ZeroedFwdState {
+  at::Tensor rng_state;
+  int* tile_counter;
+};
+
+ZeroedFwdState zeroed_fwd_state(const at::Tensor& q, cudaStream_t stream) {
+  at::Tensor state = at::empty({3}, q.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(state.data_ptr(), 0, 3 * sizeof(int64_t), stream));
+  return {state.narrow(0, 0, 2), reinterpret_cast<int*>(state.data_ptr<int64_t>() + 2)};
 }
 
 at::Tensor empty_floats(int64_t count, const at::Tensor& like) {
@@ -87,7 +92,8 @@ FwdResult attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, con
 
   at::Tensor out_padded = at::empty(q.sizes(), q.options());
   at::Tensor lse = empty_lse(q, varlen);
-  at::Tensor rng_state = zeroed_rng_state(q, stream);
+  const ZeroedFwdState state = zeroed_fwd_state(q, stream);
+  at::Tensor rng_state = state.rng_state;
   auto result = [&]() -> FwdResult { return {unpad_head_dim(out_padded, qkv.head_dim), lse, rng_state}; };
   if (out_padded.numel() == 0) return result();
   if (k.numel() == 0) {  // no keys at all: every row is empty
@@ -99,6 +105,7 @@ FwdResult attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, con
   FwdParams p = make_fwd_params(q, k, v, out_padded, lse, options, varlen, RngState{});
   if (p.seqlen_q == 0) return result();  // varlen with every sequence empty of queries
   if (options.dropout_p > 0) set_cuda_dropout_state(p, rng_state);
+  p.tile_counter = state.tile_counter;
   run_attention_fwd(p, stream);
   return result();
 }
@@ -126,7 +133,7 @@ std::optional<FwdResult> attention_fwd_keys_in_cache_cuda(const at::Tensor& q_in
   p.cache_seqlen = k_cache.size(1);
   p.total_k = 0;
   if (!run_attention_fwd_keys_in_cache(p, stream)) return std::nullopt;
-  return FwdResult{out, lse, zeroed_rng_state(q, stream)};
+  return FwdResult{out, lse, zeroed_fwd_state(q, stream).rng_state};
 }
 
 FwdResult varlen_paged_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -1,5 +1,5 @@
 // Launch of the sm90 forward kernels for one (dtype, head dim): whether they can take a call, their TMA
-// descriptors, and the choice between the pipelined kernel and the persistent one for sliding windows.
+// descriptors, and the choice between the one-tile kernel and the persistent one.
 // Included by the generated translation units in csrc/instantiations/.
 #pragma once
 
@@ -70,11 +70,11 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
 
   check_grid_limits(params, "forward");
   const int64_t num_m_blocks = (params.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
-  // Sliding windows (a bounded left side) at head_dim 128: the persistent kernel, one CTA per SM.
+  // head_dim 128 without softcap / ALiBi / dropout or a variable-length batch: the persistent kernel, one CTA
+  // per SM.
   if constexpr (kHeadDim == FwdSm90PersistentTile::kHeadDim) {
     const int64_t num_tiles = num_m_blocks * params.heads_q * params.batch;  // the kernel counts them in int32
-    if (params.window_left != FwdParams::kUnbounded && !params.is_varlen() && !params.has_extras() &&
-        num_tiles <= INT32_MAX) {
+    if (!params.is_varlen() && !params.has_extras() && params.tile_counter != nullptr && num_tiles <= INT32_MAX) {
       const auto persistent = attention_fwd_sm90_persistent_kernel<Element>;
       const int num_sms = current_device_info().num_sms;
       set_smem_limit(persistent, FwdSm90PersistentTile::kSmemBytes, "the sm90 persistent forward kernel");

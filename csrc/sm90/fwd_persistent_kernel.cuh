@@ -1,30 +1,38 @@
-// Hopper (sm_90a) forward for sliding windows at head_dim 128: persistent and warp-specialised.
+// Hopper (sm_90a) forward at head_dim 128 without softcap / ALiBi / dropout: persistent and warp-specialised.
 //
-// Why a second sm90 forward: a window's row block visits few key blocks (9 at window (1024, 0)), and
-// fwd_kernel.cuh's CTA spends ~20% of such a tile outside its loop: barrier set-up and TMA descriptor
-// fetch, Q's arrival, block 0's unoverlapped S, the epilogue (H200, hd128, 16k, 2026-11-30).
-// Here one CTA per SM walks tiles blockIdx.x, + gridDim.x, ..., and a producer warp keeps loading ahead
-// across tile boundaries, so the next tile's Q and first K / V are in shared memory when its loop starts,
-// and each consumer warpgroup issues the next tile's first S before this tile's epilogue.
-// Against fwd_kernel.cuh (H200, bf16, hd128, 16 heads, 16k, 2026-12-01): window (1024, 0)
-// 0.309-0.313 -> 0.273-0.279 ms, (1024, 1024) 0.543-0.563 -> 0.492-0.510 ms.
+// Why a second sm90 forward: fwd_kernel.cuh's CTA (8 warps, no producer, one tile) spends part of each tile
+// outside its loop (barrier set-up and TMA descriptor fetch, Q's arrival, block 0's unoverlapped S, the
+// epilogue: ~20% of a window's 9-block tile), and its K and V of a block are released together. Here one CTA
+// per SM takes tiles one after another, and a producer warp keeps loading ahead across tile boundaries, so the
+// next tile's Q and first K / V are in shared memory when its loop starts, and each consumer warpgroup issues
+// the next tile's first S before this tile's epilogue. Against fwd_kernel.cuh (H200, bf16, hd128, 16k tokens,
+// two interleaved rounds in one call, 2026-12-02), fwd TFLOP/s: full 2k / 8k / 16k 605 / 601 / 600 ->
+// 622 / 660-730 / 668-676, causal 456-461 / 551 / 596-608 -> 524-537 / 617-623 / 654-658; window (1024, 0)
+// 0.275-0.277 -> 0.270-0.272 ms, (1024, 1024) 0.478-0.483 -> 0.469-0.470 ms.
+//
+// Tiles: the first gridDim.x by blockIdx.x, then from params.tile_counter, in FwdWalkTile's order (each
+// head's row blocks from the last: under a causal mask the longest walks start first, and the CTAs running
+// together share the head's K / V in L2). A counter, not a fixed stride: a causal grid's walks differ in
+// length, and a fixed stride over them (row blocks slowest, longest first) was slower than fwd_kernel.cuh's
+// one-tile CTAs (causal 2k 457 -> 430, 16k 596-618 -> 569-571 TFLOP/s, one call, 2026-12-02). The producer takes the next tile once the
+// current one's loads are issued and hands it to the consumers in its Q buffer's tile slot, published by the
+// arrival on q_full (num_tiles at the end).
 //
 // Roles (FlashAttention-3's warp specialisation): warpgroup 0 is the producer; one of its threads issues
 // every TMA load, the warpgroup gives its registers to the consumers (setmaxnreg: 24 per thread, the two
 // consumers 240). Warpgroups 1 and 2 each compute 64 rows of the tile's 128, with fwd_kernel.cuh's
 // intra-warpgroup pipelining (block i's S and block i - 1's P V issued together, the softmax of block i
 // while that P V runs) but one P buffer (see the loop). Buffers and their mbarriers:
-//   Q[2]: tile t's Q in buffer t % 2, so tile t + 1's Q loads during tile t; the epilogue stages O over
+//   Q[2]: the CTA's tile t in buffer t % 2, so tile t + 1's Q loads during tile t; the epilogue stages O over
 //     its own Q buffer, which the consumers release (q_empty) once O is copied out.
 //   K[2], V[2]: block g of the CTA's walk (counted over all its tiles) in buffer g % 2; K(g) is released
 //     as soon as S(g) completed, V(g) once P V(g) completed. Separate K and V releases give each load
 //     a whole step to land with two buffers: K(g + 1) may load once S(g - 1) completed, V(g) once
 //     P V(g - 2) completed, and both are needed one step later.
 // Shared memory: 2 x 32 (Q) + 2 x 32 (K) + 2 x 32 (V) = 192 KB.
-// O stored by TMA or unstaged, and tiles ranked longest first, are slower (docs/design.md, Tried and not kept).
+// O stored by TMA or unstaged is slower (docs/design.md, Tried and not kept).
 //
-// Launches it takes (fwd_launch_template.cuh): a bounded left window (a causal launch keeps fwd_kernel.cuh,
-// whose one-tile CTAs start heaviest-first), no variable-length batch, no softcap / ALiBi / dropout.
+// Launches it takes (fwd_launch_template.cuh): no variable-length batch, no softcap / ALiBi / dropout.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only)
@@ -58,18 +66,22 @@ struct FwdSm90PersistentTile {
   static constexpr int kKvBytes = kBlockN * kHeadDim * 2;
   static constexpr int kKOffset = 2 * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
-  // mbarriers: q_full[2], q_empty[2], k_full[S], k_empty[S], v_full[S], v_empty[S].
+  // mbarriers: q_full[2], q_empty[2], k_full[S], k_empty[S], v_full[S], v_empty[S]; then the tile of each Q
+  // buffer (an int each).
   static constexpr int kBarrierOffset = kVOffset + kStages * kKvBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 8 * (4 + 4 * kStages) + 1024;  // +1024: base alignment
+  static constexpr int kTileSlotOffset = kBarrierOffset + 8 * (4 + 4 * kStages);
+  static constexpr int kSmemBytes = kTileSlotOffset + 4 * 2 + 1024;  // +1024: base alignment
 };
 
-// What both roles need of tile `tile` (row block fastest, then head, then batch).
+// What both roles need of tile `tile`: row block fastest, from the last (a causal mask's longest walk) to the
+// first, then head, then batch. CTAs that run together share a head's K / V in L2, and taken in this order
+// from the counter the longest walks start first.
 struct FwdWalkTile {
   int m_block, head, batch;
   int first_key_block, num_key_blocks;  // visited from num_key_blocks - 1 down to first_key_block
 
   __device__ __forceinline__ FwdWalkTile(int tile, int num_m_blocks, int heads, int len_q, const BandMask& band) {
-    m_block = tile % num_m_blocks;
+    m_block = num_m_blocks - 1 - tile % num_m_blocks;
     head = tile / num_m_blocks % heads;
     batch = tile / num_m_blocks / heads;
     const int first_row = m_block * FwdSm90PersistentTile::kBlockM;
@@ -109,6 +121,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
   auto bar_k_empty = [&](int stage) { return bars + 8 * (4 + kStages + stage); };
   auto bar_v_full = [&](int stage) { return bars + 8 * (4 + 2 * kStages + stage); };
   auto bar_v_empty = [&](int stage) { return bars + 8 * (4 + 3 * kStages + stage); };
+  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + Tile::kTileSlotOffset);
 
   const int len_q = static_cast<int>(params.seqlen_q);
   const int len_k = static_cast<int>(params.seqlen_k);
@@ -142,19 +155,25 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
     prefetch_tensor_map(&maps.k);
     prefetch_tensor_map(&maps.v);
     // An empty barrier's first wait (parity 1 on a fresh barrier) passes: every buffer starts free.
+    // Each tile, and at the end num_tiles, goes to the consumers in the tile slot of its Q buffer, published by
+    // the arrival on q_full (a tile without keys: the arrival alone, no Q).
     int block_count = 0, q_count = 0;
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
-      if (t.num_blocks() <= 0) continue;
-      const int kv_head = t.head / params.heads_per_kv();
+    for (int tile = blockIdx.x;; ++q_count) {
       const int q_buffer = q_count % 2;
       mbarrier_wait(bar_q_empty(q_buffer), ((q_count / 2) & 1) ^ 1);
-      mbarrier_arrive_expect_bytes(bar_q_full(q_buffer), Tile::kQBytes);
-      for (int c = 0; c < Tile::kColumnRegions; ++c) {
+      tile_slot[q_buffer] = tile;
+      if (tile >= num_tiles) {
+        mbarrier_arrive(bar_q_full(q_buffer));
+        break;
+      }
+      const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+      const bool has_keys = t.num_blocks() > 0;
+      mbarrier_arrive_expect_bytes(bar_q_full(q_buffer), has_keys ? Tile::kQBytes : 0);
+      const int kv_head = t.head / params.heads_per_kv();
+      for (int c = 0; has_keys && c < Tile::kColumnRegions; ++c) {
         tma_load_4d(smem_q(q_buffer) + c * kBlockM * 128, &maps.q, bar_q_full(q_buffer), c * 64, t.m_block * kBlockM,
                     t.head, t.batch);
       }
-      ++q_count;
       for (int i = 0; i < t.num_blocks(); ++i, ++block_count) {
         const int stage = block_count % kStages;
         const uint32_t free_parity = ((block_count / kStages) & 1) ^ 1;
@@ -170,6 +189,9 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
           tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, t.batch);
         }
       }
+      // The next tile, once this one's loads are all issued (one taken earlier would wait here while other
+      // CTAs may run out of work).
+      tile = static_cast<int>(gridDim.x) + atomicAdd(params.tile_counter, 1);
     }
     return;
   }
@@ -203,16 +225,6 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
     }
     if (thread_in_group < 64 && 64 * group + thread_in_group < valid_rows) lse[64 * group + thread_in_group] = -INFINITY;
   };
-  // The first tile at or after `tile` (stepping by gridDim.x) with a key to see; empty ones written on the way.
-  auto next_nonempty_tile = [&](int tile) {
-    for (; tile < num_tiles; tile += gridDim.x) {
-      const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
-      if (t.num_blocks() > 0) break;
-      write_empty_tile(t);
-    }
-    return tile;
-  };
-
   // Epilogue of a finished tile (o_packed: its normalised O in 16 bits, [n-tile][row half]; row_lse): O over
   // the warpgroup's own rows of the tile's Q buffer (its last S completed; the other warpgroup reads only its
   // own rows), copied out in 16-byte chunks, then the buffer released.
@@ -257,19 +269,31 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
   float acc_s[1][kNTilesS][4];
   uint32_t o_packed[kNTilesO][2];
   float row_lse[2];
-  int block_count = 0, q_count = 0;
-  int finished_tile = -1;  // a tile whose epilogue is pending
-  for (int tile = next_nonempty_tile(blockIdx.x); tile < num_tiles; tile = next_nonempty_tile(tile + gridDim.x)) {
+  int block_count = 0;
+  int finished_tile = -1, finished_q_buffer = 0;  // a tile whose epilogue is pending, and its Q buffer
+  for (int q_count = 0;; ++q_count) {
+    const int q_buffer = q_count % 2;
+    mbarrier_wait(bar_q_full(q_buffer), (q_count / 2) & 1);
+    const int tile = tile_slot[q_buffer];
+    if (tile >= num_tiles) break;
     const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+    const int num_blocks = t.num_blocks();
+    if (num_blocks <= 0) {
+      // No Q came: the pending epilogue goes first (its buffer is the one the producer waits for next).
+      if (finished_tile >= 0) store_tile(finished_tile, finished_q_buffer, o_packed, row_lse);
+      finished_tile = -1;
+      write_empty_tile(t);
+      __syncwarp();
+      release(bar_q_empty(q_buffer));
+      continue;
+    }
     const int first_row = t.m_block * kBlockM;
     const int valid_rows = min(kBlockM, len_q - first_row);
-    const int num_blocks = t.num_blocks();
     // Blocks needing the element-wise mask: as in fwd_kernel.cuh.
     const int last_row = first_row + valid_rows - 1;
     const int hi_unmasked = max(t.first_key_block, min(t.num_key_blocks, band.end(first_row) / kBlockN));
     const int lo_unmasked =
         min(hi_unmasked, max(t.first_key_block, (band.begin(last_row) + kBlockN - 1) / kBlockN));
-    const int q_buffer = q_count % 2;
 
     // Not zeroed: the tile's first P V overwrites it (its first k-step does not accumulate).
     float acc_o[1][kNTilesO][4];
@@ -297,9 +321,8 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
       return rescale;
     };
 
-    mbarrier_wait(bar_q_full(q_buffer), (q_count / 2) & 1);
     issue_scores(block_count, q_buffer, acc_s);
-    if (finished_tile >= 0) store_tile(finished_tile, 1 - q_buffer, o_packed, row_lse);
+    if (finished_tile >= 0) store_tile(finished_tile, finished_q_buffer, o_packed, row_lse);
 
     // One P buffer (FlashAttention-3's order): block i's probabilities stay in fp32 until P V of block
     // i - 1, which reads the 16-bit P, has completed; only then are they converted over it. Two alternating
@@ -336,10 +359,10 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
       for (int half = 0; half < 2; ++half) o_packed[j][half] = pack_float2<Element>(acc_o[0][j][2 * half], acc_o[0][j][2 * half + 1]);
     }
     finished_tile = tile;
+    finished_q_buffer = q_buffer;
     block_count += num_blocks;
-    ++q_count;
   }
-  if (finished_tile >= 0) store_tile(finished_tile, 1 - q_count % 2, o_packed, row_lse);
+  if (finished_tile >= 0) store_tile(finished_tile, finished_q_buffer, o_packed, row_lse);
 #endif  // sm_90a
 }
 
