@@ -64,13 +64,22 @@ for case in cases:
     # Under racecheck a case takes seconds to minutes: the times show which one a timeout cut short.
     print(f"case {case} ok in {time.monotonic() - started:.1f} s", flush=True)
 
-# The persistent sm90 forward (hd128 windows): 16 heads x 9 row blocks = 144 tiles for at most 132 CTAs, so
-# some CTAs walk two tiles through the same buffers; rows 0..399 see no key (tiles skipped, written as empty).
-q = torch.randn(1, 1100, 16, 128, device="cuda", dtype=torch.bfloat16)
-k, v = (torch.randn(1, 700, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-ref, _ = attention_ref(q.double(), k.double(), v.double(), window_size=(64, 0))
-err = (flash_ext.attention(q, k, v, window_size=(64, 0)).double() - ref).abs().max().item()
-assert err < 0.05, f"persistent forward: max error {err}"
+# The persistent sm90 forward: more tiles than 132 CTAs, so CTAs take several tiles from the counter through the
+# same buffers (hd256: its one Q buffer); rows that see no key (window, or causal with seqlen_q > seqlen_k) give
+# tiles written as empty between the others. Forward only (a backward under racecheck takes minutes).
+forward_cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, window
+    (1, 1100, 700, 16, 8, 128, (64, 0)),
+    (2, 2100, 700, 8, 4, 128, (-1, 0)),
+    (1, 1100, 600, 16, 8, 256, (-1, 0)),
+    (2, 1100, 600, 8, 8, 64, (-1, -1)),
+]
+for batch, sq, sk, hq, hkv, hd, window in forward_cases:
+    q = torch.randn(batch, sq, hq, hd, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, sk, hkv, hd, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ref, _ = attention_ref(q.double(), k.double(), v.double(), window_size=window)
+    out = flash_ext.attention(q, k, v, window_size=window)
+    err = (out.double() - ref).abs().max().item()  # rows that see no key: 0 in both
+    assert err < 0.05, f"persistent forward {(batch, sq, sk, hq, hkv, hd, window)}: max error {err}"
 
 # Features: sliding window + softcap + ALiBi on a dense batch, and a variable-length batch with a
 # window (sequences of length 0 and 1 included), forward and backward with both dQ paths.
@@ -125,5 +134,5 @@ for deterministic in (False, True):
         assert err < 0.05 * max(1.0, ref_grad.abs().max().item()), f"dropout: {name} error {err}"
 
 torch.cuda.synchronize()
-print(f"sanitize: {len(cases) + len(feature_cases) + 1} cases ok (forward, backward with both dQ paths)")
+print(f"sanitize: {len(cases) + len(forward_cases) + len(feature_cases) + 1} cases ok (forward, backward with both dQ paths)")
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sanitize_decode.py"), run_name="__main__")

@@ -228,8 +228,8 @@ def test_sm90_forward_is_taken():
         q, k, v = make_qkv(2, 300, 300, 4, 2, head_dim, torch.bfloat16, device="cuda")
         for features in ({}, {"softcap": 30.0}, {"dropout_p": 0.1}):
             names = forward_kernel_names(q, k, v, causal=True, **features)
-            # hd128 without softcap / ALiBi / dropout: the persistent kernel (its own test: test_cuda_features.py)
-            kernel = "attention_fwd_sm90_persistent_kernel" if head_dim == 128 and not features else "attention_fwd_sm90_kernel"
+            # without softcap / ALiBi / dropout: the persistent kernel (its own test: test_cuda_features.py)
+            kernel = "attention_fwd_sm90_kernel" if features else "attention_fwd_sm90_persistent_kernel"
             assert any(kernel in name for name in names), f"hd{head_dim} {features}: {names}"
         assert "sm90 wgmma" in flash_ext.kernel_path(q)
     q, k, v, cu_q, cu_k = make_varlen_qkv([37, 200, 1], [50, 260, 9], 4, 2, 128, torch.bfloat16, device="cuda")

@@ -1,4 +1,6 @@
-// Hopper (sm_90a) forward kernel: TMA loads and asynchronous warpgroup MMA (wgmma).
+// Hopper (sm_90a) forward kernel: TMA loads and asynchronous warpgroup MMA (wgmma), one CTA per tile. It takes
+// the calls with softcap, ALiBi, dropout or a variable-length batch (KV-cache prefills among them); the others
+// take the persistent, warp-specialised fwd_persistent_kernel.cuh, which shares its building blocks.
 //
 // Why a second forward: on mma.sync the tensor pipe and the softmax's MUFU work (exp2, softcap's tanh)
 // run one after the other (softcap, one MUFU op per score, costs the sm80 forward +16% time: H200, hd128,

@@ -1,35 +1,44 @@
-// Hopper (sm_90a) forward at head_dim 128 without softcap / ALiBi / dropout: persistent and warp-specialised.
+// Hopper (sm_90a) forward without softcap / ALiBi / dropout (head dims 64, 128, 256): persistent and
+// warp-specialised.
 //
 // Why a second sm90 forward: fwd_kernel.cuh's CTA (8 warps, no producer, one tile) spends part of each tile
 // outside its loop (barrier set-up and TMA descriptor fetch, Q's arrival, block 0's unoverlapped S, the
 // epilogue: ~20% of a window's 9-block tile), and its K and V of a block are released together. Here one CTA
 // per SM takes tiles one after another, and a producer warp keeps loading ahead across tile boundaries, so the
 // next tile's Q and first K / V are in shared memory when its loop starts, and each consumer warpgroup issues
-// the next tile's first S before this tile's epilogue. Against fwd_kernel.cuh (H200, bf16, hd128, 16k tokens,
-// two interleaved rounds in one call, 2026-12-02), fwd TFLOP/s: full 2k / 8k / 16k 605 / 601 / 600 ->
-// 622 / 660-730 / 668-676, causal 456-461 / 551 / 596-608 -> 524-537 / 617-623 / 654-658; window (1024, 0)
-// 0.275-0.277 -> 0.270-0.272 ms, (1024, 1024) 0.478-0.483 -> 0.469-0.470 ms.
+// the next tile's first S before this tile's epilogue. Against fwd_kernel.cuh (H200, bf16, 16k tokens, two
+// interleaved rounds per call, 2026-12-02), fwd TFLOP/s at 2k / 8k / 16k:
+//   hd64  full 392 / 427-429 / 421-425 -> 442-444 / 459-470 / 462-466, causal 323-327 / 403-406 / 421-424 ->
+//         378-379 / 447-451 / 467-479
+//   hd128 full 549-605 / 601 / 600-605 -> 622-625 / 660-730 / 668-676, causal 456-461 / 551 / 596-608 ->
+//         524-537 / 617-623 / 654-658; window (1024, 0) 0.275-0.277 -> 0.270-0.272 ms, (1024, 1024)
+//         0.478-0.483 -> 0.469-0.470 ms
+//   hd256 full 558-562 / 600-606 / 596-602 -> 654-667 / 714-716 / 722-729, causal 472-476 / 582-616 /
+//         633-642 -> 539-542 / 616-641 / 702-724
+// fwd_kernel.cuh keeps softcap, ALiBi, dropout and variable-length batches.
 //
 // Tiles: the first gridDim.x by blockIdx.x, then from params.tile_counter, in FwdWalkTile's order (each
 // head's row blocks from the last: under a causal mask the longest walks start first, and the CTAs running
 // together share the head's K / V in L2). A counter, not a fixed stride: a causal grid's walks differ in
 // length, and a fixed stride over them (row blocks slowest, longest first) was slower than fwd_kernel.cuh's
-// one-tile CTAs (causal 2k 457 -> 430, 16k 596-618 -> 569-571 TFLOP/s, one call, 2026-12-02). The producer takes the next tile once the
-// current one's loads are issued and hands it to the consumers in its Q buffer's tile slot, published by the
-// arrival on q_full (num_tiles at the end).
+// one-tile CTAs (hd128 causal 2k 457 -> 430, 16k 596-618 -> 569-571 TFLOP/s, one call, 2026-12-02). The
+// producer takes the next tile once the current one's loads are issued and hands it to the consumers in its Q
+// buffer's tile slot, published by the arrival on q_full (num_tiles at the end).
 //
 // Roles (FlashAttention-3's warp specialisation): warpgroup 0 is the producer; one of its threads issues
 // every TMA load, the warpgroup gives its registers to the consumers (setmaxnreg: 24 per thread, the two
 // consumers 240). Warpgroups 1 and 2 each compute 64 rows of the tile's 128, with fwd_kernel.cuh's
 // intra-warpgroup pipelining (block i's S and block i - 1's P V issued together, the softmax of block i
 // while that P V runs) but one P buffer (see the loop). Buffers and their mbarriers:
-//   Q[2]: the CTA's tile t in buffer t % 2, so tile t + 1's Q loads during tile t; the epilogue stages O over
-//     its own Q buffer, which the consumers release (q_empty) once O is copied out.
+//   Q[kQBuffers]: the CTA's tile t in buffer t % kQBuffers. With two (hd <= 128) tile t + 1's Q loads during
+//     tile t; the epilogue stages O over its own Q buffer, which the consumers release (q_empty) once O is
+//     copied out. With one (hd256: Q is 64 KB) the epilogue comes right after the tile's last P V.
 //   K[2], V[2]: block g of the CTA's walk (counted over all its tiles) in buffer g % 2; K(g) is released
 //     as soon as S(g) completed, V(g) once P V(g) completed. Separate K and V releases give each load
 //     a whole step to land with two buffers: K(g + 1) may load once S(g - 1) completed, V(g) once
 //     P V(g - 2) completed, and both are needed one step later.
-// Shared memory: 2 x 32 (Q) + 2 x 32 (K) + 2 x 32 (V) = 192 KB.
+// Shared memory: hd64 2 x 16 (Q) + 2 x 16 (K) + 2 x 16 (V) = 96 KB; hd128 2 x 32 + 2 x 32 + 2 x 32 = 192 KB;
+// hd256 64 + 2 x 32 + 2 x 32 = 192 KB.
 // O stored by TMA or unstaged is slower (docs/design.md, Tried and not kept).
 //
 // Launches it takes (fwd_launch_template.cuh): no variable-length batch, no softcap / ALiBi / dropout.
@@ -51,11 +60,16 @@
 
 namespace flash_ext::sm90 {
 
+template <int kHeadDim_>
 struct FwdSm90PersistentTile {
-  static constexpr int kHeadDim = 128;
+  static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows
-  static constexpr int kBlockN = 128;
+  // Registers per consumer thread: O holds head_dim / 2 floats, the score tile kBlockN / 2.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kStages = 2;
+  // Two Q buffers (the next tile's Q loads during this one) where they fit: at hd256 Q is 64 KB, and the
+  // epilogue then leaves before the next tile's Q loads.
+  static constexpr int kQBuffers = kHeadDim <= 128 ? 2 : 1;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kThreads = 32 * (4 + kConsumerWarps);
   // setmaxnreg: 24 x 128 + 240 x 256 = 64512 of the SM's 65536 registers (the launch gives 168 each).
@@ -64,18 +78,20 @@ struct FwdSm90PersistentTile {
   static constexpr int kColumnRegions = kHeadDim / 64;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKvBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kKOffset = 2 * kQBytes;
+  static constexpr int kKOffset = kQBuffers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
-  // mbarriers: q_full[2], q_empty[2], k_full[S], k_empty[S], v_full[S], v_empty[S]; then the tile of each Q
+  // mbarriers: q_full[Q], q_empty[Q], k_full[S], k_empty[S], v_full[S], v_empty[S]; then the tile of each Q
   // buffer (an int each).
   static constexpr int kBarrierOffset = kVOffset + kStages * kKvBytes;
-  static constexpr int kTileSlotOffset = kBarrierOffset + 8 * (4 + 4 * kStages);
-  static constexpr int kSmemBytes = kTileSlotOffset + 4 * 2 + 1024;  // +1024: base alignment
+  static constexpr int kTileSlotOffset = kBarrierOffset + 8 * (2 * kQBuffers + 4 * kStages);
+  static constexpr int kSmemBytes = kTileSlotOffset + 4 * kQBuffers + 1024;  // +1024: base alignment
+  static_assert(kSmemBytes <= 227 * 1024, "an sm90 CTA has at most 227 KB of shared memory");
 };
 
 // What both roles need of tile `tile`: row block fastest, from the last (a causal mask's longest walk) to the
 // first, then head, then batch. CTAs that run together share a head's K / V in L2, and taken in this order
 // from the counter the longest walks start first.
+template <typename Tile>
 struct FwdWalkTile {
   int m_block, head, batch;
   int first_key_block, num_key_blocks;  // visited from num_key_blocks - 1 down to first_key_block
@@ -84,22 +100,23 @@ struct FwdWalkTile {
     m_block = num_m_blocks - 1 - tile % num_m_blocks;
     head = tile / num_m_blocks % heads;
     batch = tile / num_m_blocks / heads;
-    const int first_row = m_block * FwdSm90PersistentTile::kBlockM;
-    const int last_row = min(first_row + FwdSm90PersistentTile::kBlockM, len_q) - 1;
+    const int first_row = m_block * Tile::kBlockM;
+    const int last_row = min(first_row + Tile::kBlockM, len_q) - 1;
     const int key_begin = band.begin(first_row), key_end = band.end(last_row);
-    first_key_block = key_begin / FwdSm90PersistentTile::kBlockN;
-    num_key_blocks = key_end > key_begin ? (key_end + FwdSm90PersistentTile::kBlockN - 1) / FwdSm90PersistentTile::kBlockN
-                                         : first_key_block;
+    first_key_block = key_begin / Tile::kBlockN;
+    num_key_blocks = key_end > key_begin ? (key_end + Tile::kBlockN - 1) / Tile::kBlockN : first_key_block;
   }
   __device__ __forceinline__ int num_blocks() const { return num_key_blocks - first_key_block; }
 };
 
-template <typename Element>
-__global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
+template <typename Element, int kHeadDim_>
+__global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     attention_fwd_sm90_persistent_kernel(const __grid_constant__ FwdParams params,
                                          const __grid_constant__ FwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tile = FwdSm90PersistentTile;
+  using Tile = FwdSm90PersistentTile<kHeadDim_>;
+  using WalkTile = FwdWalkTile<Tile>;
+  constexpr int kQBuffers = Tile::kQBuffers;
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kHeadDim = Tile::kHeadDim;
@@ -116,11 +133,11 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
   auto smem_v = [&](int stage) { return smem_base + Tile::kVOffset + stage * Tile::kKvBytes; };
   const uint32_t bars = smem_base + Tile::kBarrierOffset;
   auto bar_q_full = [&](int buffer) { return bars + 8 * buffer; };
-  auto bar_q_empty = [&](int buffer) { return bars + 8 * (2 + buffer); };
-  auto bar_k_full = [&](int stage) { return bars + 8 * (4 + stage); };
-  auto bar_k_empty = [&](int stage) { return bars + 8 * (4 + kStages + stage); };
-  auto bar_v_full = [&](int stage) { return bars + 8 * (4 + 2 * kStages + stage); };
-  auto bar_v_empty = [&](int stage) { return bars + 8 * (4 + 3 * kStages + stage); };
+  auto bar_q_empty = [&](int buffer) { return bars + 8 * (kQBuffers + buffer); };
+  auto bar_k_full = [&](int stage) { return bars + 8 * (2 * kQBuffers + stage); };
+  auto bar_k_empty = [&](int stage) { return bars + 8 * (2 * kQBuffers + kStages + stage); };
+  auto bar_v_full = [&](int stage) { return bars + 8 * (2 * kQBuffers + 2 * kStages + stage); };
+  auto bar_v_empty = [&](int stage) { return bars + 8 * (2 * kQBuffers + 3 * kStages + stage); };
   volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + Tile::kTileSlotOffset);
 
   const int len_q = static_cast<int>(params.seqlen_q);
@@ -130,7 +147,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
   const BandMask band(params, len_q, len_k);
 
   if (threadIdx.x == 0) {
-    for (int b = 0; b < 2; ++b) {
+    for (int b = 0; b < kQBuffers; ++b) {
       mbarrier_init(bar_q_full(b), 1);
       mbarrier_init(bar_q_empty(b), Tile::kConsumerWarps);
     }
@@ -159,14 +176,14 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
     // the arrival on q_full (a tile without keys: the arrival alone, no Q).
     int block_count = 0, q_count = 0;
     for (int tile = blockIdx.x;; ++q_count) {
-      const int q_buffer = q_count % 2;
-      mbarrier_wait(bar_q_empty(q_buffer), ((q_count / 2) & 1) ^ 1);
+      const int q_buffer = q_count % kQBuffers;
+      mbarrier_wait(bar_q_empty(q_buffer), ((q_count / kQBuffers) & 1) ^ 1);
       tile_slot[q_buffer] = tile;
       if (tile >= num_tiles) {
         mbarrier_arrive(bar_q_full(q_buffer));
         break;
       }
-      const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+      const WalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
       const bool has_keys = t.num_blocks() > 0;
       mbarrier_arrive_expect_bytes(bar_q_full(q_buffer), has_keys ? Tile::kQBytes : 0);
       const int kv_head = t.head / params.heads_per_kv();
@@ -213,7 +230,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
                                                        bar_k_full(stage), (g / kStages) & 1);
   };
   // Output 0 and lse -inf for this warpgroup's rows of a tile whose rows see no key.
-  auto write_empty_tile = [&](const FwdWalkTile& t) {
+  auto write_empty_tile = [&](const WalkTile& t) {
     const int first_row = t.m_block * kBlockM;
     const int valid_rows = min(kBlockM, len_q - first_row);
     Element* out = static_cast<Element*>(params.out) + t.batch * params.out_strides.batch +
@@ -229,7 +246,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
   // the warpgroup's own rows of the tile's Q buffer (its last S completed; the other warpgroup reads only its
   // own rows), copied out in 16-byte chunks, then the buffer released.
   auto store_tile = [&](int tile, int q_buffer, const uint32_t (&o_packed)[kNTilesO][2], const float (&row_lse)[2]) {
-    const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+    const WalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
     const int first_row = t.m_block * kBlockM;
     const int valid_rows = min(kBlockM, len_q - first_row);
     Element* out = static_cast<Element*>(params.out) + t.batch * params.out_strides.batch +
@@ -272,11 +289,11 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
   int block_count = 0;
   int finished_tile = -1, finished_q_buffer = 0;  // a tile whose epilogue is pending, and its Q buffer
   for (int q_count = 0;; ++q_count) {
-    const int q_buffer = q_count % 2;
-    mbarrier_wait(bar_q_full(q_buffer), (q_count / 2) & 1);
+    const int q_buffer = q_count % kQBuffers;
+    mbarrier_wait(bar_q_full(q_buffer), (q_count / kQBuffers) & 1);
     const int tile = tile_slot[q_buffer];
     if (tile >= num_tiles) break;
-    const FwdWalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+    const WalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
     const int num_blocks = t.num_blocks();
     if (num_blocks <= 0) {
       // No Q came: the pending epilogue goes first (its buffer is the one the producer waits for next).
@@ -361,6 +378,11 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile::kThreads, 1)
     finished_tile = tile;
     finished_q_buffer = q_buffer;
     block_count += num_blocks;
+    if constexpr (kQBuffers == 1) {
+      // The next tile's Q goes into this buffer: O leaves first.
+      store_tile(finished_tile, finished_q_buffer, o_packed, row_lse);
+      finished_tile = -1;
+    }
   }
   if (finished_tile >= 0) store_tile(finished_tile, finished_q_buffer, o_packed, row_lse);
 #endif  // sm_90a
