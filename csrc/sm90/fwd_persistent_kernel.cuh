@@ -23,16 +23,17 @@
 // length, and a fixed stride over them (row blocks slowest, longest first) was slower than fwd_kernel.cuh's
 // one-tile CTAs (hd128 causal 2k 457 -> 430, 16k 596-618 -> 569-571 TFLOP/s, one call, 2026-12-02). The
 // producer takes the next tile once the current one's loads are issued and hands it to the consumers in its Q
-// buffer's tile slot, published by the arrival on q_full (num_tiles at the end).
+// buffer's tile slot (num_tiles at the end).
 //
 // Roles (FlashAttention-3's warp specialisation): warpgroup 0 is the producer; one of its threads issues
 // every TMA load, the warpgroup gives its registers to the consumers (setmaxnreg: 24 per thread, the two
 // consumers 240). Warpgroups 1 and 2 each compute 64 rows of the tile's 128, with fwd_kernel.cuh's
 // intra-warpgroup pipelining (block i's S and block i - 1's P V issued together, the softmax of block i
 // while that P V runs) but one P buffer (see the loop). Buffers and their mbarriers:
-//   Q[kQBuffers]: the CTA's tile t in buffer t % kQBuffers. With two (hd <= 128) tile t + 1's Q loads during
-//     tile t; the epilogue stages O over its own Q buffer, which the consumers release (q_empty) once O is
-//     copied out. With one (hd256: Q is 64 KB) the epilogue comes right after the tile's last P V.
+//   Q[kQBuffers]: the CTA's tile t in buffer t % kQBuffers, its tile index in the buffer's slot. With two
+//     (hd <= 128) tile t + 1's Q loads during tile t; the epilogue stages O over its own Q buffer, which the
+//     consumers release (a named barrier) once O is copied out. With one (hd256: Q is 64 KB) the epilogue
+//     comes right after the tile's last P V.
 //   K[2], V[2]: block g of the CTA's walk (counted over all its tiles) in buffer g % 2; K(g) is released
 //     as soon as S(g) completed, V(g) once P V(g) completed. Separate K and V releases give each load
 //     a whole step to land with two buffers: K(g + 1) may load once S(g - 1) completed, V(g) once
@@ -80,10 +81,10 @@ struct FwdSm90PersistentTile {
   static constexpr int kKvBytes = kBlockN * kHeadDim * 2;
   static constexpr int kKOffset = kQBuffers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
-  // mbarriers: q_full[Q], q_empty[Q], k_full[S], k_empty[S], v_full[S], v_empty[S]; then the tile of each Q
-  // buffer (an int each).
+  // mbarriers: q_full[Q], k_full[S], k_empty[S], v_full[S], v_empty[S]; then the tile of each Q buffer (an
+  // int each).
   static constexpr int kBarrierOffset = kVOffset + kStages * kKvBytes;
-  static constexpr int kTileSlotOffset = kBarrierOffset + 8 * (2 * kQBuffers + 4 * kStages);
+  static constexpr int kTileSlotOffset = kBarrierOffset + 8 * (kQBuffers + 4 * kStages);
   static constexpr int kSmemBytes = kTileSlotOffset + 4 * kQBuffers + 1024;  // +1024: base alignment
   static_assert(kSmemBytes <= 227 * 1024, "an sm90 CTA has at most 227 KB of shared memory");
 };
@@ -133,11 +134,18 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   auto smem_v = [&](int stage) { return smem_base + Tile::kVOffset + stage * Tile::kKvBytes; };
   const uint32_t bars = smem_base + Tile::kBarrierOffset;
   auto bar_q_full = [&](int buffer) { return bars + 8 * buffer; };
-  auto bar_q_empty = [&](int buffer) { return bars + 8 * (kQBuffers + buffer); };
-  auto bar_k_full = [&](int stage) { return bars + 8 * (2 * kQBuffers + stage); };
-  auto bar_k_empty = [&](int stage) { return bars + 8 * (2 * kQBuffers + kStages + stage); };
-  auto bar_v_full = [&](int stage) { return bars + 8 * (2 * kQBuffers + 2 * kStages + stage); };
-  auto bar_v_empty = [&](int stage) { return bars + 8 * (2 * kQBuffers + 3 * kStages + stage); };
+  auto bar_k_full = [&](int stage) { return bars + 8 * (kQBuffers + stage); };
+  auto bar_k_empty = [&](int stage) { return bars + 8 * (kQBuffers + kStages + stage); };
+  auto bar_v_full = [&](int stage) { return bars + 8 * (kQBuffers + 2 * kStages + stage); };
+  auto bar_v_empty = [&](int stage) { return bars + 8 * (kQBuffers + 3 * kStages + stage); };
+  // Named barriers between the producer warp and the 8 consumer warps, per Q buffer: its tile slot written
+  // (the producer arrives, the consumers wait), and the buffer and its slot free again (the consumers arrive
+  // once O left it, the producer waits before the next tile's slot and Q). Named barriers, not mbarriers:
+  // compute-sanitizer's racecheck follows them, so it sees the slot's and the buffer's reuse ordered. Ids 1
+  // and 2 are the consumer warpgroups' own (the epilogue).
+  constexpr int kSlotWrittenBarrier = 3;                      // + the buffer
+  constexpr int kBufferFreeBarrier = 3 + kQBuffers;           // + the buffer
+  constexpr int kHandoffThreads = 32 * (Tile::kConsumerWarps + 1);
   volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + Tile::kTileSlotOffset);
 
   const int len_q = static_cast<int>(params.seqlen_q);
@@ -147,10 +155,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   const BandMask band(params, len_q, len_k);
 
   if (threadIdx.x == 0) {
-    for (int b = 0; b < kQBuffers; ++b) {
-      mbarrier_init(bar_q_full(b), 1);
-      mbarrier_init(bar_q_empty(b), Tile::kConsumerWarps);
-    }
+    for (int b = 0; b < kQBuffers; ++b) mbarrier_init(bar_q_full(b), 1);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(bar_k_full(s), 1);
       mbarrier_init(bar_k_empty(s), Tile::kConsumerWarps);
@@ -167,48 +172,65 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   if (warp < 4) {
     // ---- producer ----
     release_registers<Tile::kProducerRegisters>();
-    if (warp != 0 || lane != 0) return;
-    prefetch_tensor_map(&maps.q);
-    prefetch_tensor_map(&maps.k);
-    prefetch_tensor_map(&maps.v);
-    // An empty barrier's first wait (parity 1 on a fresh barrier) passes: every buffer starts free.
-    // Each tile, and at the end num_tiles, goes to the consumers in the tile slot of its Q buffer, published by
-    // the arrival on q_full (a tile without keys: the arrival alone, no Q).
+    if (warp != 0) return;
+    // Warp 0 walks the tiles (the named barriers count whole warps); its lane 0 issues every load.
+    const bool leader = lane == 0;
+    if (leader) {
+      prefetch_tensor_map(&maps.q);
+      prefetch_tensor_map(&maps.k);
+      prefetch_tensor_map(&maps.v);
+    }
+    // An empty barrier's first wait (parity 1 on a fresh barrier) passes: every K / V buffer starts free.
+    // Each tile, and at the end num_tiles, goes to the consumers in the tile slot of its Q buffer; q_full then
+    // completes with its Q (a tile without keys: at the arrival alone, no Q).
     int block_count = 0, q_count = 0;
     for (int tile = blockIdx.x;; ++q_count) {
       const int q_buffer = q_count % kQBuffers;
-      mbarrier_wait(bar_q_empty(q_buffer), ((q_count / kQBuffers) & 1) ^ 1);
-      tile_slot[q_buffer] = tile;
-      if (tile >= num_tiles) {
-        mbarrier_arrive(bar_q_full(q_buffer));
-        break;
-      }
+      __syncwarp();
+      if (q_count >= kQBuffers) named_barrier_sync(kBufferFreeBarrier + q_buffer, kHandoffThreads);
+      if (leader) tile_slot[q_buffer] = tile;
+      __syncwarp();
+      named_barrier_arrive(kSlotWrittenBarrier + q_buffer, kHandoffThreads);
+      if (tile >= num_tiles) break;
       const WalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
       const bool has_keys = t.num_blocks() > 0;
-      mbarrier_arrive_expect_bytes(bar_q_full(q_buffer), has_keys ? Tile::kQBytes : 0);
       const int kv_head = t.head / params.heads_per_kv();
-      for (int c = 0; has_keys && c < Tile::kColumnRegions; ++c) {
-        tma_load_4d(smem_q(q_buffer) + c * kBlockM * 128, &maps.q, bar_q_full(q_buffer), c * 64, t.m_block * kBlockM,
-                    t.head, t.batch);
+      if (leader) {
+        // The consumers read and wrote the buffer (O staged and copied out) through the generic proxy; TMA (the
+        // async proxy) overwrites it: a proxy fence after the barrier orders the two.
+        fence_async_shared();
+        mbarrier_arrive_expect_bytes(bar_q_full(q_buffer), has_keys ? Tile::kQBytes : 0);
+        for (int c = 0; has_keys && c < Tile::kColumnRegions; ++c) {
+          tma_load_4d(smem_q(q_buffer) + c * kBlockM * 128, &maps.q, bar_q_full(q_buffer), c * 64,
+                      t.m_block * kBlockM, t.head, t.batch);
+        }
       }
       for (int i = 0; i < t.num_blocks(); ++i, ++block_count) {
         const int stage = block_count % kStages;
         const uint32_t free_parity = ((block_count / kStages) & 1) ^ 1;
         const int key_row = (t.num_key_blocks - 1 - i) * kBlockN;
         mbarrier_wait(bar_k_empty(stage), free_parity);
-        mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
-        for (int c = 0; c < Tile::kColumnRegions; ++c) {
-          tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, t.batch);
+        if (leader) {
+          mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
+          for (int c = 0; c < Tile::kColumnRegions; ++c) {
+            tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head,
+                        t.batch);
+          }
         }
         mbarrier_wait(bar_v_empty(stage), free_parity);
-        mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
-        for (int c = 0; c < Tile::kColumnRegions; ++c) {
-          tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, t.batch);
+        if (leader) {
+          mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
+          for (int c = 0; c < Tile::kColumnRegions; ++c) {
+            tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head,
+                        t.batch);
+          }
         }
       }
       // The next tile, once this one's loads are all issued (one taken earlier would wait here while other
       // CTAs may run out of work).
-      tile = static_cast<int>(gridDim.x) + atomicAdd(params.tile_counter, 1);
+      int next = 0;
+      if (leader) next = static_cast<int>(gridDim.x) + atomicAdd(params.tile_counter, 1);
+      tile = __shfl_sync(0xffffffffu, next, 0);
     }
     return;
   }
@@ -252,6 +274,9 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     Element* out = static_cast<Element*>(params.out) + t.batch * params.out_strides.batch +
                    t.head * params.out_strides.head + first_row * params.out_strides.row;
     float* lse = params.lse + params.lse_index(t.batch, t.head, first_row);
+    // The warpgroup's reads of this buffer's rows for an earlier tile come first (ordered anyway, through the
+    // buffer's release and its next Q's arrival; racecheck sees named barriers only).
+    named_barrier_sync(1 + group, 128);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp_first_row + lane / 4 + 8 * half;
@@ -274,7 +299,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     // The buffer's next writer is TMA (the async proxy): order this thread's shared-memory accesses first.
     fence_async_shared();
     __syncwarp();
-    release(bar_q_empty(q_buffer));
+    named_barrier_arrive(kBufferFreeBarrier + q_buffer, kHandoffThreads);
   };
 
   // Across tiles the warpgroup keeps its tensor work going: a tile's epilogue runs after the next tile's
@@ -290,9 +315,11 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   int finished_tile = -1, finished_q_buffer = 0;  // a tile whose epilogue is pending, and its Q buffer
   for (int q_count = 0;; ++q_count) {
     const int q_buffer = q_count % kQBuffers;
-    mbarrier_wait(bar_q_full(q_buffer), (q_count / kQBuffers) & 1);
+    __syncwarp();
+    named_barrier_sync(kSlotWrittenBarrier + q_buffer, kHandoffThreads);
     const int tile = tile_slot[q_buffer];
     if (tile >= num_tiles) break;
+    mbarrier_wait(bar_q_full(q_buffer), (q_count / kQBuffers) & 1);
     const WalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
     const int num_blocks = t.num_blocks();
     if (num_blocks <= 0) {
@@ -301,7 +328,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
       finished_tile = -1;
       write_empty_tile(t);
       __syncwarp();
-      release(bar_q_empty(q_buffer));
+      named_barrier_arrive(kBufferFreeBarrier + q_buffer, kHandoffThreads);
       continue;
     }
     const int first_row = t.m_block * kBlockM;
