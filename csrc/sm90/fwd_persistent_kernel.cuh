@@ -140,9 +140,10 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   auto bar_v_empty = [&](int stage) { return bars + 8 * (kQBuffers + 3 * kStages + stage); };
   // Named barriers between the producer warp and the 8 consumer warps, per Q buffer: its tile slot written
   // (the producer arrives, the consumers wait), and the buffer and its slot free again (the consumers arrive
-  // once O left it, the producer waits before the next tile's slot and Q). Named barriers, not mbarriers:
-  // compute-sanitizer's racecheck follows them, so it sees the slot's and the buffer's reuse ordered. Ids 1
-  // and 2 are the consumer warpgroups' own (the epilogue).
+  // once O left it, the producer waits before the next tile's slot and Q). A barrier's completion makes the
+  // accesses before each thread's arrival visible to all its threads (PTX barrier.cta). Named barriers, not
+  // mbarriers: over mbarriers racecheck reported 11 hazard groups, over these 3, all on the slot (docs/
+  // performance.md). Ids 1 and 2 are the consumer warpgroups' own (the epilogue).
   constexpr int kSlotWrittenBarrier = 3;                      // + the buffer
   constexpr int kBufferFreeBarrier = 3 + kQBuffers;           // + the buffer
   constexpr int kHandoffThreads = 32 * (Tile::kConsumerWarps + 1);
@@ -275,7 +276,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
                    t.head * params.out_strides.head + first_row * params.out_strides.row;
     float* lse = params.lse + params.lse_index(t.batch, t.head, first_row);
     // The warpgroup's reads of this buffer's rows for an earlier tile come first (ordered anyway, through the
-    // buffer's release and its next Q's arrival; racecheck sees named barriers only).
+    // buffer's release and its next Q's arrival at its mbarrier, which racecheck does not follow).
     named_barrier_sync(1 + group, 128);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
