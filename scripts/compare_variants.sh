@@ -20,7 +20,9 @@
 # same (warm) call. At most 3 worktrees. Environment: OUT, PYTHON, MAX_JOBS (16),
 # TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all), TEST_PATHS (with
 # --tests: the test files or directories, default tests: the whole CUDA suite takes ~4 min on an H200),
-# TEST_TIMEOUT_S (default 240), VARIANTS (a comma list of the .exp/ worktrees to measure beside the checkout;
+# TEST_TIMEOUT_S (default 240), SANITIZE_TOOLS (default "memcheck racecheck"), SANITIZE_ARGS (sanitize.py's, e.g.
+# "--only forward"), SANITIZE_TIMEOUT_S (per tool, default 240; each tool's log comes back as $OUT/<name>_<tool>.log),
+# VARIANTS (a comma list of the .exp/ worktrees to measure beside the checkout;
 # default all of them), FEATURE_ARGS (more bench_features.py arguments, e.g. "--head-dim 64").
 set -uo pipefail
 
@@ -82,10 +84,12 @@ prepare() {  # name dir: build, ptxas summary, tests; a failed build leaves $OUT
       timeout "${TEST_TIMEOUT_S:-240}" "$PY" -m pytest ${TEST_PATHS:-tests} -m cuda -q --maxfail=10 -p no:cacheprovider 2>&1 |
         grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-400 | tail -n 12
       if [ "$SANITIZE" = 1 ]; then
-        for tool in memcheck racecheck; do
-          PYTHONPATH="$PWD" timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" scripts/sanitize.py \
-            >"/tmp/sanitize_${name}_$tool.log" 2>&1
+        for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+          # shellcheck disable=SC2086  # SANITIZE_ARGS: words
+          PYTHONPATH="$PWD" timeout "${SANITIZE_TIMEOUT_S:-240}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+            "$PY" scripts/sanitize.py ${SANITIZE_ARGS:-} >"/tmp/sanitize_${name}_$tool.log" 2>&1
           echo "sanitize $tool: rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/sanitize_${name}_$tool.log" | tail -n 1))"
+          head -c 200000 "/tmp/sanitize_${name}_$tool.log" >"$OUT/${name}_$tool.log"
         done
       fi
     fi

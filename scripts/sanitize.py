@@ -4,8 +4,12 @@ both sides of the backward's split at 128; then scripts/sanitize_decode.py (the 
 wrong answer does not pass.
 
     compute-sanitizer --tool memcheck  python3 scripts/sanitize.py
-    compute-sanitizer --tool racecheck python3 scripts/sanitize.py
+    compute-sanitizer --tool racecheck python3 scripts/sanitize.py [--only forward,decode]
+
+--only: a comma list of the groups to run (dense, forward, features, decode; default all): racecheck takes
+minutes over all of them.
 """
+import argparse
 import os
 import runpy
 import time
@@ -14,6 +18,13 @@ import torch
 
 import flash_ext
 from flash_ext.reference import attention_ref
+
+GROUPS = ("dense", "forward", "features", "decode")
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--only", default=",".join(GROUPS), help="comma list of groups: " + ", ".join(GROUPS))
+groups = set(parser.parse_args().only.split(","))
+if not groups <= set(GROUPS):
+    parser.error(f"--only: unknown group(s) {sorted(groups - set(GROUPS))}; expected some of {', '.join(GROUPS)}")
 
 torch.manual_seed(0)
 cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal
@@ -57,7 +68,7 @@ def check_case(batch, sq, sk, hq, hkv, hd, causal):
             assert err < bound, f"case {case}, deterministic={deterministic}: {name} error {err}"
 
 
-for case in cases:
+for case in cases if "dense" in groups else []:
     started = time.monotonic()
     with flash_ext.testing.sm90_kernels(case not in SM80_CASES):
         check_case(*case)
@@ -73,66 +84,75 @@ forward_cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, win
     (1, 1100, 600, 16, 8, 256, (-1, 0)),
     (2, 1100, 600, 8, 8, 64, (-1, -1)),
 ]
-for batch, sq, sk, hq, hkv, hd, window in forward_cases:
+for batch, sq, sk, hq, hkv, hd, window in forward_cases if "forward" in groups else []:
+    started = time.monotonic()
     q = torch.randn(batch, sq, hq, hd, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(batch, sk, hkv, hd, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     ref, _ = attention_ref(q.double(), k.double(), v.double(), window_size=window)
     out = flash_ext.attention(q, k, v, window_size=window)
     err = (out.double() - ref).abs().max().item()  # rows that see no key: 0 in both
     assert err < 0.05, f"persistent forward {(batch, sq, sk, hq, hkv, hd, window)}: max error {err}"
+    print(f"forward case {(batch, sq, sk, hq, hkv, hd, window)} ok in {time.monotonic() - started:.1f} s", flush=True)
 
-# Features: sliding window + softcap + ALiBi on a dense batch, and a variable-length batch with a
-# window (sequences of length 0 and 1 included), forward and backward with both dQ paths.
-from flash_ext.reference import attention_varlen_ref  # noqa: E402
+def check_features():
+    """Sliding window + softcap + ALiBi on a dense batch, a variable-length batch with a window (sequences of
+    length 0 and 1 included), and dropout: forward and backward with both dQ paths."""
+    from flash_ext.reference import attention_varlen_ref
 
-slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
-feature_cases = [
-    dict(dense=True, features=dict(window_size=(40, 8), softcap=30.0, alibi_slopes=slopes)),
-    dict(dense=False, features=dict(window_size=(33, -1))),
-]
-# Dropout: checked against the reference with the call's keep mask below (rng_state from the call).
-for case in feature_cases:
-    features = case["features"]
-    if case["dense"]:
-        q = torch.randn(2, 150, 4, 64, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(2, 190, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        run = lambda *t, **kw: flash_ext.attention(*t, **kw)  # noqa: E731
-        reference = lambda *t: attention_ref(*t, **features)[0]  # noqa: E731
-    else:
-        lengths_q, lengths_k = [70, 0, 1, 130], [90, 5, 1, 64]
-        cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), device="cuda", dtype=torch.int32)
-        cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), device="cuda", dtype=torch.int32)
-        q = torch.randn(sum(lengths_q), 4, 128, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(sum(lengths_k), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        run = lambda *t, **kw: flash_ext.attention_varlen(*t, cu_q, cu_k, max(lengths_q), max(lengths_k), **kw)  # noqa
-        reference = lambda *t: attention_varlen_ref(*t, cu_q, cu_k, **features)[0]  # noqa: E731
-    dout = torch.randn_like(q)
-    ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_grads = torch.autograd.grad(reference(*ref_inputs), ref_inputs, dout.double())
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
+    feature_cases = [
+        dict(dense=True, features=dict(window_size=(40, 8), softcap=30.0, alibi_slopes=slopes)),
+        dict(dense=False, features=dict(window_size=(33, -1))),
+    ]
+    # Dropout: checked against the reference with the call's keep mask below (rng_state from the call).
+    for case in feature_cases:
+        features = case["features"]
+        if case["dense"]:
+            q = torch.randn(2, 150, 4, 64, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(2, 190, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            run = lambda *t, **kw: flash_ext.attention(*t, **kw)  # noqa: E731
+            reference = lambda *t: attention_ref(*t, **features)[0]  # noqa: E731
+        else:
+            lengths_q, lengths_k = [70, 0, 1, 130], [90, 5, 1, 64]
+            cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), device="cuda", dtype=torch.int32)
+            cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), device="cuda", dtype=torch.int32)
+            q = torch.randn(sum(lengths_q), 4, 128, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(sum(lengths_k), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            run = lambda *t, **kw: flash_ext.attention_varlen(*t, cu_q, cu_k, max(lengths_q), max(lengths_k), **kw)  # noqa
+            reference = lambda *t: attention_varlen_ref(*t, cu_q, cu_k, **features)[0]  # noqa: E731
+        dout = torch.randn_like(q)
+        ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_grads = torch.autograd.grad(reference(*ref_inputs), ref_inputs, dout.double())
+        inputs = [t.requires_grad_() for t in (q, k, v)]
+        for deterministic in (False, True):
+            out = run(*inputs, deterministic=deterministic, **features)
+            grads = torch.autograd.grad(out, inputs, dout)
+            for name, grad, ref_grad in zip(("dq", "dk", "dv"), grads, ref_grads):
+                err = (grad.double() - ref_grad).abs().max().item()
+                assert err < 0.05 * max(1.0, ref_grad.abs().max().item()), f"{features}: {name} error {err}"
+    from flash_ext.testing import attention_with_rng_state, dropout_keep_mask
+
+    q = torch.randn(2, 150, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 190, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     inputs = [t.requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(q)
     for deterministic in (False, True):
-        out = run(*inputs, deterministic=deterministic, **features)
-        grads = torch.autograd.grad(out, inputs, dout)
-        for name, grad, ref_grad in zip(("dq", "dk", "dv"), grads, ref_grads):
+        out, _, rng_state = attention_with_rng_state(*inputs, causal=True, dropout_p=0.2, deterministic=deterministic)
+        keep = dropout_keep_mask(rng_state, 2, 4, 150, 190, 0.2).cuda()
+        ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref, _ = attention_ref(*ref_inputs, causal=True, dropout_p=0.2, dropout_mask=keep)
+        ref_grads = torch.autograd.grad(ref, ref_inputs, dout.double())
+        assert (out.double() - ref).abs().max().item() < 0.05, "dropout forward"
+        for name, grad, ref_grad in zip(("dq", "dk", "dv"), torch.autograd.grad(out, inputs, dout), ref_grads):
             err = (grad.double() - ref_grad).abs().max().item()
-            assert err < 0.05 * max(1.0, ref_grad.abs().max().item()), f"{features}: {name} error {err}"
-from flash_ext.testing import attention_with_rng_state, dropout_keep_mask  # noqa: E402
+            assert err < 0.05 * max(1.0, ref_grad.abs().max().item()), f"dropout: {name} error {err}"
 
-q = torch.randn(2, 150, 4, 64, device="cuda", dtype=torch.bfloat16)
-k, v = (torch.randn(2, 190, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-inputs = [t.requires_grad_() for t in (q, k, v)]
-dout = torch.randn_like(q)
-for deterministic in (False, True):
-    out, _, rng_state = attention_with_rng_state(*inputs, causal=True, dropout_p=0.2, deterministic=deterministic)
-    keep = dropout_keep_mask(rng_state, 2, 4, 150, 190, 0.2).cuda()
-    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, _ = attention_ref(*ref_inputs, causal=True, dropout_p=0.2, dropout_mask=keep)
-    ref_grads = torch.autograd.grad(ref, ref_inputs, dout.double())
-    assert (out.double() - ref).abs().max().item() < 0.05, "dropout forward"
-    for name, grad, ref_grad in zip(("dq", "dk", "dv"), torch.autograd.grad(out, inputs, dout), ref_grads):
-        err = (grad.double() - ref_grad).abs().max().item()
-        assert err < 0.05 * max(1.0, ref_grad.abs().max().item()), f"dropout: {name} error {err}"
+
+
+if "features" in groups:
+    check_features()
 
 torch.cuda.synchronize()
-print(f"sanitize: {len(cases) + len(forward_cases) + len(feature_cases) + 1} cases ok (forward, backward with both dQ paths)")
-runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sanitize_decode.py"), run_name="__main__")
+print(f"sanitize: groups {sorted(groups)} ok")
+if "decode" in groups:
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sanitize_decode.py"), run_name="__main__")
