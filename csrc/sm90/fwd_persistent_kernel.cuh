@@ -81,11 +81,13 @@ struct FwdSm90PersistentTile {
   static constexpr int kKvBytes = kBlockN * kHeadDim * 2;
   static constexpr int kKOffset = kQBuffers * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKvBytes;
-  // mbarriers: q_full[Q], k_full[S], k_empty[S], v_full[S], v_empty[S]; then the tile of each Q buffer (an
-  // int each).
+  // Tiles go from the producer to the consumers through a ring of slots of its own (an int each), freed as soon
+  // as the consumers read them; two let the producer announce a tile while the consumers read the one before.
+  static constexpr int kTileSlots = 2;
+  // mbarriers: q_full[Q], k_full[S], k_empty[S], v_full[S], v_empty[S]; then the tile slots.
   static constexpr int kBarrierOffset = kVOffset + kStages * kKvBytes;
   static constexpr int kTileSlotOffset = kBarrierOffset + 8 * (kQBuffers + 4 * kStages);
-  static constexpr int kSmemBytes = kTileSlotOffset + 4 * kQBuffers + 1024;  // +1024: base alignment
+  static constexpr int kSmemBytes = kTileSlotOffset + 4 * kTileSlots + 1024;  // +1024: base alignment
   static_assert(kSmemBytes <= 227 * 1024, "an sm90 CTA has at most 227 KB of shared memory");
 };
 
@@ -138,14 +140,16 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   auto bar_k_empty = [&](int stage) { return bars + 8 * (kQBuffers + kStages + stage); };
   auto bar_v_full = [&](int stage) { return bars + 8 * (kQBuffers + 2 * kStages + stage); };
   auto bar_v_empty = [&](int stage) { return bars + 8 * (kQBuffers + 3 * kStages + stage); };
-  // Named barriers between the producer warp and the 8 consumer warps, per Q buffer: its tile slot written
-  // (the producer arrives, the consumers wait), and the buffer and its slot free again (the consumers arrive
-  // once O left it, the producer waits before the next tile's slot and Q). A barrier's completion makes the
-  // accesses before each thread's arrival visible to all its threads (PTX barrier.cta). Named barriers, not
-  // mbarriers: over mbarriers racecheck reported 11 hazard groups, over these 3, all on the slot (docs/
-  // performance.md). Ids 1 and 2 are the consumer warpgroups' own (the epilogue).
-  constexpr int kSlotWrittenBarrier = 3;                      // + the buffer
-  constexpr int kBufferFreeBarrier = 3 + kQBuffers;           // + the buffer
+  // Named barriers between the producer warp and the 8 consumer warps: per tile slot, written (the producer
+  // arrives, the consumers wait) and read (the consumers arrive right after reading it, the producer waits
+  // before writing it again); per Q buffer, free again (the consumers arrive once O left it, the producer waits
+  // before the next Q). A barrier's completion makes the accesses before each thread's arrival visible to all
+  // its threads (PTX barrier.cta). Named barriers, not mbarriers, and the slots apart from the Q buffers: the
+  // arrangements racecheck follows (docs/design.md §4.5). Ids 1 and 2 are the consumer warpgroups' own.
+  constexpr int kSlotWrittenBarrier = 3;                            // + the slot
+  constexpr int kSlotReadBarrier = 3 + Tile::kTileSlots;            // + the slot
+  constexpr int kBufferFreeBarrier = 3 + 2 * Tile::kTileSlots;      // + the Q buffer
+  static_assert(kBufferFreeBarrier + kQBuffers <= 16, "16 named barriers per CTA");
   constexpr int kHandoffThreads = 32 * (Tile::kConsumerWarps + 1);
   volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + Tile::kTileSlotOffset);
 
@@ -186,13 +190,15 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     // completes with its Q (a tile without keys: at the arrival alone, no Q).
     int block_count = 0, q_count = 0;
     for (int tile = blockIdx.x;; ++q_count) {
-      const int q_buffer = q_count % kQBuffers;
+      const int slot = q_count % Tile::kTileSlots;
       __syncwarp();
-      if (q_count >= kQBuffers) named_barrier_sync(kBufferFreeBarrier + q_buffer, kHandoffThreads);
-      if (leader) tile_slot[q_buffer] = tile;
+      if (q_count >= Tile::kTileSlots) named_barrier_sync(kSlotReadBarrier + slot, kHandoffThreads);
+      if (leader) tile_slot[slot] = tile;
       __syncwarp();
-      named_barrier_arrive(kSlotWrittenBarrier + q_buffer, kHandoffThreads);
+      named_barrier_arrive(kSlotWrittenBarrier + slot, kHandoffThreads);
       if (tile >= num_tiles) break;
+      const int q_buffer = q_count % kQBuffers;
+      if (q_count >= kQBuffers) named_barrier_sync(kBufferFreeBarrier + q_buffer, kHandoffThreads);
       const WalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
       const bool has_keys = t.num_blocks() > 0;
       const int kv_head = t.head / params.heads_per_kv();
@@ -232,6 +238,14 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
       int next = 0;
       if (leader) next = static_cast<int>(gridDim.x) + atomicAdd(params.tile_counter, 1);
       tile = __shfl_sync(0xffffffffu, next, 0);
+    }
+    // The consumers' arrivals no write waited for: the last two slots' reads (the end included) and the last Q
+    // buffers' releases, so that no barrier is left part-way at exit.
+    for (int c = max(0, q_count - Tile::kTileSlots + 1); c <= q_count; ++c) {
+      named_barrier_sync(kSlotReadBarrier + c % Tile::kTileSlots, kHandoffThreads);
+    }
+    for (int c = max(0, q_count - kQBuffers); c < q_count; ++c) {
+      named_barrier_sync(kBufferFreeBarrier + c % kQBuffers, kHandoffThreads);
     }
     return;
   }
@@ -316,9 +330,12 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   int finished_tile = -1, finished_q_buffer = 0;  // a tile whose epilogue is pending, and its Q buffer
   for (int q_count = 0;; ++q_count) {
     const int q_buffer = q_count % kQBuffers;
+    const int slot = q_count % Tile::kTileSlots;
     __syncwarp();
-    named_barrier_sync(kSlotWrittenBarrier + q_buffer, kHandoffThreads);
-    const int tile = tile_slot[q_buffer];
+    named_barrier_sync(kSlotWrittenBarrier + slot, kHandoffThreads);
+    const int tile = tile_slot[slot];
+    __syncwarp();
+    named_barrier_arrive(kSlotReadBarrier + slot, kHandoffThreads);
     if (tile >= num_tiles) break;
     mbarrier_wait(bar_q_full(q_buffer), (q_count / kQBuffers) & 1);
     const WalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
