@@ -78,21 +78,26 @@ for case in cases if "dense" in groups else []:
 # The persistent sm90 forward: more tiles than 132 CTAs, so CTAs take several tiles from the counter through the
 # same buffers (hd256: its one Q buffer); rows that see no key (window, or causal with seqlen_q > seqlen_k) give
 # tiles written as empty between the others. Forward only (a backward under racecheck takes minutes).
-forward_cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, window
-    (1, 1100, 700, 16, 8, 128, (64, 0)),
-    (2, 2100, 700, 8, 4, 128, (-1, 0)),
-    (1, 1100, 600, 16, 8, 256, (-1, 0)),
-    (2, 1100, 600, 8, 8, 64, (-1, -1)),
+# Softcap and ALiBi (the kernel's kExtras instantiation): one case with both.
+forward_cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, window, softcap and ALiBi
+    (1, 1100, 700, 16, 8, 128, (64, 0), False),
+    (2, 2100, 700, 8, 4, 128, (-1, 0), False),
+    (1, 1100, 600, 16, 8, 256, (-1, 0), False),
+    (2, 1100, 600, 8, 8, 64, (-1, -1), False),
+    (2, 1100, 700, 8, 4, 128, (-1, 0), True),
 ]
-for batch, sq, sk, hq, hkv, hd, window in forward_cases if "forward" in groups else []:
+for *shape, window, score_mods in forward_cases if "forward" in groups else []:
     started = time.monotonic()
+    batch, sq, sk, hq, hkv, hd = shape
     q = torch.randn(batch, sq, hq, hd, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(batch, sk, hkv, hd, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    ref, _ = attention_ref(q.double(), k.double(), v.double(), window_size=window)
-    out = flash_ext.attention(q, k, v, window_size=window)
+    mods = dict(softcap=20.0, alibi_slopes=torch.rand(batch, hq, device="cuda") * 0.05) if score_mods else {}
+    ref, _ = attention_ref(q.double(), k.double(), v.double(), window_size=window, **mods)
+    out = flash_ext.attention(q, k, v, window_size=window, **mods)
     err = (out.double() - ref).abs().max().item()  # rows that see no key: 0 in both
-    assert err < 0.05, f"persistent forward {(batch, sq, sk, hq, hkv, hd, window)}: max error {err}"
-    print(f"forward case {(batch, sq, sk, hq, hkv, hd, window)} ok in {time.monotonic() - started:.1f} s", flush=True)
+    case = (*shape, window, score_mods)
+    assert err < 0.05, f"persistent forward {case}: max error {err}"
+    print(f"forward case {case} ok in {time.monotonic() - started:.1f} s", flush=True)
 
 def check_features():
     """Sliding window + softcap + ALiBi on a dense batch, a variable-length batch with a window (sequences of

@@ -31,15 +31,20 @@ DQ_PATH_IDS = [path.id for path in DQ_PATHS]
                                                            (1100, 1100, (-1, 0)), (2100, 700, (-1, 0)),
                                                            (700, 1300, (-1, 0))], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_persistent_forward_over_many_tiles(seqlen_q, seqlen_k, window_size, head_dim, dtype):
-    """Calls without softcap / ALiBi / dropout take the persistent forward (one CTA per SM taking row blocks
-    from a counter): with 3 x 8 heads x 6-17 row blocks there are more tiles than SMs, so each CTA reuses its
-    buffers over several tiles of different lengths (and, with seqlen_q > seqlen_k at window (0, 0) or causal,
-    passes tiles that see no key between others)."""
+@pytest.mark.parametrize("score_mods", [{}, {"softcap": 20.0}, {"alibi": True}, {"softcap": 20.0, "alibi": True}],
+                         ids=["plain", "softcap", "alibi", "softcap+alibi"])
+def test_persistent_forward_over_many_tiles(seqlen_q, seqlen_k, window_size, head_dim, dtype, score_mods):
+    """Calls without dropout take the persistent forward (one CTA per SM taking row blocks from a counter):
+    with 3 x 8 heads x 6-17 row blocks there are more tiles than SMs, so each CTA reuses its buffers over
+    several tiles of different lengths and heads (each with its own ALiBi slope; with seqlen_q > seqlen_k at
+    window (0, 0) or causal, passing tiles that see no key between others)."""
     q, k, v = make_qkv(3, seqlen_q, seqlen_k, 8, 4, head_dim, dtype, device="cuda")
-    check_forward(q, k, v, causal=False, window_size=window_size)
+    features = {"softcap": score_mods["softcap"]} if "softcap" in score_mods else {}
+    if score_mods.get("alibi"):
+        features["alibi_slopes"] = alibi_slopes(3, 8, True, "cuda") / 8  # far keys still carry weight
+    check_forward(q, k, v, causal=False, window_size=window_size, **features)
     # Twice in a row: a walk must leave nothing behind that the next launch depends on.
-    check_forward(q, k, v, causal=False, window_size=window_size)
+    check_forward(q, k, v, causal=False, window_size=window_size, **features)
 
 
 @pytest.mark.parametrize("features", [{}, {"softcap": 20.0}, {"causal": True}, {"window_size": (300, 200)}],

@@ -1,4 +1,4 @@
-// Hopper (sm_90a) forward without softcap / ALiBi / dropout (head dims 64, 128, 256): persistent and
+// Hopper (sm_90a) forward without dropout or a variable-length batch (head dims 64, 128, 256): persistent and
 // warp-specialised.
 //
 // Why a second sm90 forward: fwd_kernel.cuh's CTA (8 warps, no producer, one tile) spends part of each tile
@@ -15,7 +15,7 @@
 //         0.478-0.483 -> 0.469-0.470 ms
 //   hd256 full 558-562 / 600-606 / 596-602 -> 654-667 / 714-716 / 722-729, causal 472-476 / 582-616 /
 //         633-642 -> 539-542 / 616-641 / 702-724
-// fwd_kernel.cuh keeps softcap, ALiBi, dropout and variable-length batches.
+// fwd_kernel.cuh keeps dropout and variable-length batches.
 //
 // Tiles: the first gridDim.x by blockIdx.x, then from params.tile_counter, in FwdWalkTile's order (each
 // head's row blocks from the last: under a causal mask the longest walks start first, and the CTAs running
@@ -42,7 +42,8 @@
 // hd256 64 + 2 x 32 + 2 x 32 = 192 KB.
 // O stored by TMA or unstaged is slower (docs/design.md, Tried and not kept).
 //
-// Launches it takes (fwd_launch_template.cuh): no variable-length batch, no softcap / ALiBi / dropout.
+// Launches it takes (fwd_launch_template.cuh): no variable-length batch, no dropout; softcap and ALiBi in the
+// kExtras instantiation.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only)
@@ -52,6 +53,7 @@
 #include "../common/band_mask.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/ptx.cuh"
+#include "../common/score_mod.cuh"
 #include "../common/score_tile.cuh"
 #include "../common/warp_gemm.cuh"
 #include "../params.h"
@@ -112,7 +114,8 @@ struct FwdWalkTile {
   __device__ __forceinline__ int num_blocks() const { return num_key_blocks - first_key_block; }
 };
 
-template <typename Element, int kHeadDim_>
+// kExtras: softcap and ALiBi (common/score_mod.cuh), as in fwd_kernel.cuh.
+template <typename Element, int kHeadDim_, bool kExtras>
 __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     attention_fwd_sm90_persistent_kernel(const __grid_constant__ FwdParams params,
                                          const __grid_constant__ FwdTensorMaps maps) {
@@ -371,15 +374,31 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
       wgmma_commit();
     };
     OnlineSoftmax<1> softmax;
+    // Softcap and ALiBi of this tile's (batch, head); nothing without kExtras.
+    const auto mod = [&] {
+      if constexpr (kExtras) {
+        return ScoreMod(params, t.batch, t.head, len_q, len_k);
+      } else {
+        return 0;
+      }
+    }();
     // Block i's completed scores -> unnormalised probabilities in place (fp32); the rescale of O is left to
     // the caller (o_factor; returns whether any row of the warp needs it), since O may still accumulate.
     auto scores_to_probabilities = [&](int i, float (&o_factor)[2]) {
       const int key_block = t.num_key_blocks - 1 - i;
-      if (key_block >= hi_unmasked || key_block < lo_unmasked) {
-        mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+      const bool needs_mask = key_block >= hi_unmasked || key_block < lo_unmasked;
+      bool rescale;
+      if constexpr (kExtras) {
+        float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
+        if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
+        if (needs_mask) mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+        rescale = softmax.template raise_bases<false>(acc_s, params.fwd_score_scale_log2, row_offset, o_factor);
+        softmax.exponentiate(acc_s, params.fwd_score_scale_log2, row_offset);
+      } else {
+        if (needs_mask) mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
+        rescale = softmax.template raise_bases<false>(acc_s, params.scale_log2, o_factor);
+        softmax.exponentiate(acc_s, params.scale_log2);
       }
-      const bool rescale = softmax.template raise_bases<false>(acc_s, params.scale_log2, o_factor);
-      softmax.exponentiate(acc_s, params.scale_log2);
       return rescale;
     };
 
@@ -414,7 +433,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     wgmma_wait<0>();
     register_fence(acc_o[0]);
     release(bar_v_empty((block_count + num_blocks - 1) % kStages));
-    softmax.finalize(acc_o, params.softmax_scale, row_lse);
+    softmax.finalize(acc_o, kExtras ? params.fwd_score_scale : params.softmax_scale, row_lse);
 #pragma unroll
     for (int j = 0; j < kNTilesO; ++j) {
 #pragma unroll
