@@ -147,8 +147,8 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   // arrives, the consumers wait) and read (the consumers arrive right after reading it, the producer waits
   // before writing it again); per Q buffer, free again (the consumers arrive once O left it, the producer waits
   // before the next Q). A barrier's completion makes the accesses before each thread's arrival visible to all
-  // its threads (PTX barrier.cta). Named barriers, not mbarriers, and the slots apart from the Q buffers: the
-  // arrangements racecheck follows (docs/design.md §4.5). Ids 1 and 2 are the consumer warpgroups' own.
+  // its threads (PTX barrier.cta); racecheck still reports the slots' handoff, as it does for the same handoff
+  // alone (scripts/racecheck_handoff_probe.cu; docs/design.md §4.5). Ids 1 and 2 are the consumer warpgroups'.
   constexpr int kSlotWrittenBarrier = 3;                            // + the slot
   constexpr int kSlotReadBarrier = 3 + Tile::kTileSlots;            // + the slot
   constexpr int kBufferFreeBarrier = 3 + 2 * Tile::kTileSlots;      // + the Q buffer
