@@ -47,6 +47,17 @@ def test_persistent_forward_over_many_tiles(seqlen_q, seqlen_k, window_size, hea
     check_forward(q, k, v, causal=False, window_size=window_size, **features)
 
 
+@pytest.mark.parametrize("features", [{"causal": False}, {"causal": True}, {"causal": True, "softcap": 20.0}],
+                         ids=["full", "causal", "causal+softcap"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_persistent_forward_dropout_over_many_tiles(head_dim, features):
+    """Dropout in the persistent forward: 2 x 16 heads x 5 row blocks, more tiles than SMs, so a CTA draws the keep
+    bits of several (batch, head)s (from its tile, not its grid position), checked against the reference with the
+    call's own mask."""
+    q, k, v = make_qkv(2, 600, 700, 16, 4, head_dim, torch.bfloat16, device="cuda")
+    check_forward(q, k, v, dropout_p=0.17, **features)
+
+
 @pytest.mark.parametrize("features", [{}, {"causal": True}, {"window_size": (100, 0)}, {"softcap": 20.0, "alibi": True}],
                          ids=["full", "causal", "window", "softcap+alibi"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

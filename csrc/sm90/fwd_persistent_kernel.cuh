@@ -1,5 +1,4 @@
-// Hopper (sm_90a) forward without dropout or keys in a cache (head dims 64, 128, 256): persistent and
-// warp-specialised.
+// Hopper (sm_90a) forward without keys in a cache (head dims 64, 128, 256): persistent and warp-specialised.
 //
 // Why a second sm90 forward: fwd_kernel.cuh's CTA (8 warps, no producer, one tile) spends part of each tile
 // outside its loop (barrier set-up and TMA descriptor fetch, Q's arrival, block 0's unoverlapped S, the
@@ -15,7 +14,7 @@
 //         0.478-0.483 -> 0.469-0.470 ms
 //   hd256 full 558-562 / 600-606 / 596-602 -> 654-667 / 714-716 / 722-729, causal 472-476 / 582-616 /
 //         633-642 -> 539-542 / 616-641 / 702-724
-// fwd_kernel.cuh keeps dropout and KV-cache prefills (keys read in place from a cache).
+// fwd_kernel.cuh keeps KV-cache prefills (keys read in place from a cache).
 //
 // Tiles: the first gridDim.x by blockIdx.x, then from params.tile_counter, in FwdWalkTile's order (each
 // head's row blocks from the last: under a causal mask the longest walks start first, and the CTAs running
@@ -42,8 +41,8 @@
 // hd256 64 + 2 x 32 + 2 x 32 = 192 KB.
 // O stored by TMA or unstaged is slower (docs/design.md, Tried and not kept).
 //
-// Launches it takes (fwd_launch_template.cuh): dense or variable-length batches without dropout or keys in a
-// cache; softcap and ALiBi in the kExtras instantiation.
+// Launches it takes (fwd_launch_template.cuh): dense or variable-length batches without keys in a cache;
+// softcap and ALiBi in the kExtras instantiation, dropout in the kDropout one.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only)
@@ -172,14 +171,17 @@ struct FwdTileNumbering {
   }
 };
 
-// kExtras: softcap and ALiBi (common/score_mod.cuh), as in fwd_kernel.cuh.
-template <typename Element, int kHeadDim_, bool kExtras>
+// kExtras: softcap and ALiBi (common/score_mod.cuh), as in fwd_kernel.cuh; kDropout (implies kExtras): dropout
+// too, its Philox calls for block i while P V of block i - 1 runs.
+template <typename Element, int kHeadDim_, bool kExtras, bool kDropout>
 __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     attention_fwd_sm90_persistent_kernel(const __grid_constant__ FwdParams params,
                                          const __grid_constant__ FwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = FwdSm90PersistentTile<kHeadDim_>;
   using WalkTile = FwdWalkTile<Tile>;
+  static_assert(kExtras || !kDropout, "the dropout variant includes softcap and ALiBi");
+  if constexpr (kDropout) publish_rng_state(params);
   constexpr int kQBuffers = Tile::kQBuffers;
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kBlockN = Tile::kBlockN;
@@ -474,11 +476,34 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     // state does not leave at 240.
     uint32_t p_frag[1][kBlockN / 16][4];
     float o_factor[2];
+    // Dropout: the keep bits of block i's rows of the warp (common/dropout_bits.cuh), computed before P V of
+    // block i - 1 completes and applied to the 16-bit P once it is converted; lse is the undropped softmax's.
+    uint32_t keep_bits[2];
+    auto draw_keep_bits = [&](int i) {
+      if constexpr (kDropout) {
+        const PhiloxSeedOffset rng = philox_seed_offset(params);
+        const uint64_t batch_head = static_cast<uint64_t>(t.batch) * params.heads_q + t.head;
+        const int first_key = (t.num_key_blocks - 1 - i) * kBlockN;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = first_row + warp_first_row + lane / 4 + 8 * half;
+          keep_bits[half] = row_keep_bits<kNTilesS>(rng, batch_head, row, first_key, params.dropout_threshold);
+        }
+      }
+    };
+    auto drop = [&] {
+      if constexpr (kDropout) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) drop_row(p_frag, 0, half, keep_bits[half]);
+      }
+    };
     wgmma_wait<0>();
     register_fence(acc_s[0]);
     release(bar_k_empty(block_count % kStages));
     scores_to_probabilities(0, o_factor);
+    draw_keep_bits(0);
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
+    drop();
     for (int i = 1; i < num_blocks; ++i) {
       issue_scores(block_count + i, q_buffer, acc_s);
       issue_pv(i - 1, p_frag);
@@ -486,10 +511,12 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
       register_fence(acc_s[0]);
       release(bar_k_empty((block_count + i) % kStages));
       const bool rescale = scores_to_probabilities(i, o_factor);
+      draw_keep_bits(i);
       wgmma_wait<0>();  // P V of block i - 1
       register_fence(acc_o[0]);
       release(bar_v_empty((block_count + i - 1) % kStages));
       accumulator_to_a_fragments<Element>(acc_s, p_frag);
+      drop();
       if (rescale) softmax.rescale(acc_o, o_factor);
     }
     issue_pv(num_blocks - 1, p_frag);
@@ -497,6 +524,13 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     register_fence(acc_o[0]);
     release(bar_v_empty((block_count + num_blocks - 1) % kStages));
     softmax.finalize(acc_o, kExtras ? params.fwd_score_scale : params.softmax_scale, row_lse);
+    if constexpr (kDropout) {  // kept probabilities count 1 / (1 - p)
+#pragma unroll
+      for (int j = 0; j < kNTilesO; ++j) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc_o[0][j][r] *= params.dropout_scale;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < kNTilesO; ++j) {
 #pragma unroll
