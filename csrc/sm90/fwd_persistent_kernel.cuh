@@ -78,6 +78,11 @@ struct FwdSm90PersistentTile {
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
   static constexpr int kColumnRegions = kHeadDim / 64;
+  // One n-tile of 8 scores in without_mufu_every() takes its exp2 on the FMA pipe (online_softmax.cuh; 0: none):
+  // where the MUFU unit's share of a block is about its GEMMs' time, i.e. at hd64 (a 128 x 128 block: 16384
+  // ex2 at 16 per SM and clock, ~1024 clocks, against ~1024 for its two GEMMs), and with softcap anywhere (a
+  // tanh per score too); at hd128 / hd256 without softcap the GEMMs take twice as long or more.
+  static constexpr int without_mufu_every(bool extras) { return extras ? 4 : kHeadDim == 64 ? 8 : 0; }
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKvBytes = kBlockN * kHeadDim * 2;
   static constexpr int kKOffset = kQBuffers * kQBytes;
@@ -458,11 +463,11 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
         if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
         if (needs_mask) mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
         rescale = softmax.template raise_bases<false>(acc_s, params.fwd_score_scale_log2, row_offset, o_factor);
-        softmax.exponentiate(acc_s, params.fwd_score_scale_log2, row_offset);
+        softmax.template exponentiate<Tile::without_mufu_every(true)>(acc_s, params.fwd_score_scale_log2, row_offset);
       } else {
         if (needs_mask) mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
         rescale = softmax.template raise_bases<false>(acc_s, params.scale_log2, o_factor);
-        softmax.exponentiate(acc_s, params.scale_log2);
+        softmax.template exponentiate<Tile::without_mufu_every(false)>(acc_s, params.scale_log2);
       }
       return rescale;
     };
