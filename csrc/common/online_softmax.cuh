@@ -16,23 +16,6 @@
 
 namespace flash_ext {
 
-// 2^x without the MUFU unit (whose ex2 runs at an eighth of the FMA rate, 16 per SM and clock on Hopper, and
-// is what a head-dim-64 softmax waits on): x = n + f with n the nearest integer (found by adding 1.5 * 2^23,
-// which leaves n in the low mantissa bits) and f in [-0.5, 0.5]; 2^f by a degree-3 polynomial (relative error
-// below 7.5e-5, under the rounding of P to 16 bits), 2^n built in the exponent field. About 10 FMA-pipe and
-// integer instructions. x below -127 (masked scores, -inf) gives exactly 0 (2^n's bits are then 0); NaN stays
-// NaN (the polynomial's).
-__device__ __forceinline__ float exp2_without_mufu(float x) {
-  constexpr float kRound = 12582912.f;                    // 1.5 * 2^23
-  const float clamped = x < -127.f ? -127.f : x;           // a compare, not fmaxf: NaN must stay NaN
-  const float shifted = clamped + kRound;
-  const float fraction = clamped - (shifted - kRound);
-  const float poly = fmaf(fmaf(fmaf(0.05517132f, fraction, 0.24261054f), fraction, 0.69326097f), fraction, 0.99992812f);
-  // shifted's bits are those of kRound (low 23 bits zero) plus n: n << 23 lands in the exponent field.
-  const float two_to_n = __int_as_float((__float_as_int(shifted) << 23) + 0x3f800000);
-  return poly * two_to_n;
-}
-
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
@@ -134,18 +117,16 @@ struct OnlineSoftmax {
     }
   }
 
-  // Scores -> unnormalised probabilities exp2(s * scale_log2 - base), added into the row sums. With
-  // kWithoutMufuEvery = k > 0, n-tiles k - 1, 2k - 1, ... take exp2_without_mufu: a share of the
-  // exponentials moves from the MUFU unit to the FMA pipe.
-  template <int kWithoutMufuEvery = 0, int kNTilesS>
+  // Scores -> unnormalised probabilities exp2(s * scale_log2 - base), added into the row sums.
+  template <int kNTilesS>
   __device__ __forceinline__ void exponentiate(float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2) {
     const float no_offset[kRows] = {};
-    exponentiate_impl<false, kWithoutMufuEvery>(acc_s, scale_log2, no_offset);
+    exponentiate_impl<false>(acc_s, scale_log2, no_offset);
   }
-  template <int kWithoutMufuEvery = 0, int kNTilesS>
+  template <int kNTilesS>
   __device__ __forceinline__ void exponentiate(float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
                                                const float (&row_offset)[kRows]) {
-    exponentiate_impl<true, kWithoutMufuEvery>(acc_s, scale_log2, row_offset);
+    exponentiate_impl<true>(acc_s, scale_log2, row_offset);
   }
 
   // Normalises acc_o by the row sums and returns each row's natural-log logsumexp of the
@@ -202,7 +183,7 @@ struct OnlineSoftmax {
         }
       }
     }
-    exponentiate_impl<kOffsets, 0>(acc_s, scale_log2, row_offset);
+    exponentiate_impl<kOffsets>(acc_s, scale_log2, row_offset);
   }
 
   template <bool kIsFirst, bool kOffsets, int kNTilesS>
@@ -249,7 +230,7 @@ struct OnlineSoftmax {
     return any_raise;
   }
 
-  template <bool kOffsets, int kWithoutMufuEvery, int kNTilesS>
+  template <bool kOffsets, int kNTilesS>
   __device__ __forceinline__ void exponentiate_impl(float (&acc_s)[kMTiles][kNTilesS][4], float scale_log2,
                                                     const float (&row_offset)[kRows]) {
 #pragma unroll
@@ -263,10 +244,7 @@ struct OnlineSoftmax {
         for (int nj = 0; nj < kNTilesS; ++nj) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float x = fmaf(acc_s[mi][nj][2 * half + e], scale_log2, -base);
-            const bool without_mufu = kWithoutMufuEvery > 0 && nj % (kWithoutMufuEvery > 0 ? kWithoutMufuEvery : 1) ==
-                                                                   kWithoutMufuEvery - 1;
-            acc_s[mi][nj][2 * half + e] = without_mufu ? exp2_without_mufu(x) : exp2f(x);
+            acc_s[mi][nj][2 * half + e] = exp2f(fmaf(acc_s[mi][nj][2 * half + e], scale_log2, -base));
           }
         }
         row_sum[r] += tree_reduce<kNTilesS>(acc_s[mi], half, [](float a, float b) { return a + b; });

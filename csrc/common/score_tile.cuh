@@ -139,37 +139,28 @@ __device__ __forceinline__ void modify_scores(float (&acc_s)[kMTiles][kNTilesS][
 // accumulator_to_a_fragments): zeroing a 16-bit half is zeroing the fp32 value before rounding, and the
 // Philox calls then run while the fp32 score tile is dead (on the fp32 tile ptxas spilled 8 B in the
 // hd128 kernel, CUDA 13.0, sm_90a). The keep bits come from common/dropout_bits.cuh.
-// Zeroes the dropped elements of one row of the thread's P: row half `half` of m-tile mi, keep_bits from
-// row_keep_bits (bit 2 nj + e: column nj * 8 + 2 (lane % 4) + e is kept).
-template <int kMTiles, int kKSteps>
-__device__ __forceinline__ void drop_row(uint32_t (&p_frag)[kMTiles][kKSteps][4], int mi, int half, uint32_t keep_bits) {
-#pragma unroll
-  for (int nj = 0; nj < 2 * kKSteps; ++nj) {
-    // n-tile nj is register 2 * (nj % 2) + half of k-step nj / 2; element e is its half e.
-    const uint32_t bits = keep_bits >> (2 * nj) & 3u;
-    const uint32_t keep_mask = (bits & 1u ? 0x0000ffffu : 0u) | (bits & 2u ? 0xffff0000u : 0u);
-    p_frag[mi][nj / 2][2 * (nj % 2) + half] &= keep_mask;
-  }
-}
-
-// (batch, head) of the CTA's tile in kernels with a (row block, head, batch) grid.
-__device__ __forceinline__ uint64_t grid_batch_head(const FwdParams& params) {
-  return static_cast<uint64_t>(blockIdx.z) * params.heads_q + blockIdx.y;
-}
-
 template <int kMTiles, int kKSteps>
 __device__ __forceinline__ void drop_probabilities(uint32_t (&p_frag)[kMTiles][kKSteps][4], int first_row,
                                                    int first_key, const FwdParams& params) {
   const int lane = threadIdx.x % 32;
   // Formed here, per key block, rather than kept in registers across the main loop.
   const PhiloxSeedOffset rng = philox_seed_offset(params);
-  const uint64_t batch_head = grid_batch_head(params);
+  const uint64_t batch_head = static_cast<uint64_t>(blockIdx.z) * params.heads_q + blockIdx.y;
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = first_row + mi * 16 + lane / 4 + 8 * half;
-      drop_row(p_frag, mi, half, row_keep_bits<2 * kKSteps>(rng, batch_head, row, first_key, params.dropout_threshold));
+      // Bit 2 * nj + e: column nj * 8 + 2 * (lane % 4) + e is kept.
+      const uint32_t keep_bits =
+          row_keep_bits<2 * kKSteps>(rng, batch_head, row, first_key, params.dropout_threshold);
+#pragma unroll
+      for (int nj = 0; nj < 2 * kKSteps; ++nj) {
+        // n-tile nj is register 2 * (nj % 2) + half of k-step nj / 2; element e is its half e.
+        const uint32_t bits = keep_bits >> (2 * nj) & 3u;
+        const uint32_t keep_mask = (bits & 1u ? 0x0000ffffu : 0u) | (bits & 2u ? 0xffff0000u : 0u);
+        p_frag[mi][nj / 2][2 * (nj % 2) + half] &= keep_mask;
+      }
     }
   }
 }
