@@ -221,8 +221,8 @@ def test_cuda_graph_capture():
 @pytest.mark.skipif(not torch.cuda.is_available() or not sm90_expected(),
                     reason="needs a compute capability 9.0 GPU and a build with 90a")
 def test_sm90_forward_is_taken():
-    """hd64 / 128 / 256 calls run the sm90 kernels (plain, softcap and ALiBi: the persistent one; dropout and
-    varlen: the one-tile one); hd96 and sm90_kernels(False) the sm80 one; kernel_path says which."""
+    """hd64 / 128 / 256 calls run the sm90 kernels (plain, softcap, ALiBi, varlen: the persistent one; dropout:
+    the one-tile one); hd96 and sm90_kernels(False) the sm80 one; kernel_path says which."""
     q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, device="cuda")
     for head_dim in (64, 128, 256):
         q, k, v = make_qkv(2, 300, 300, 4, 2, head_dim, torch.bfloat16, device="cuda")
@@ -237,7 +237,7 @@ def test_sm90_forward_is_taken():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         flash_ext.attention_varlen(q, k, v, cu_q, cu_k, 200, 260, causal=True)
         torch.cuda.synchronize()
-    assert any("attention_fwd_sm90_kernel" in event.key for event in prof.key_averages()), "varlen: not sm90"
+    assert any("attention_fwd_sm90_persistent_kernel" in event.key for event in prof.key_averages()), "varlen"
     q, k, v = make_qkv(2, 300, 300, 4, 2, 96, torch.bfloat16, device="cuda")
     names = forward_kernel_names(q, k, v)
     assert not any("sm90" in name for name in names), names

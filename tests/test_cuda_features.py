@@ -47,6 +47,25 @@ def test_persistent_forward_over_many_tiles(seqlen_q, seqlen_k, window_size, hea
     check_forward(q, k, v, causal=False, window_size=window_size, **features)
 
 
+@pytest.mark.parametrize("features", [{}, {"causal": True}, {"window_size": (100, 0)}, {"softcap": 20.0, "alibi": True}],
+                         ids=["full", "causal", "window", "softcap+alibi"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_persistent_forward_varlen(head_dim, features):
+    """Variable-length batches in the persistent forward: 41 sequences (more than the 32 its tile numbering sums
+    per step), empty ones, ones shorter than a row block, one row past a block, seqlen_q above and below
+    seqlen_k; many more tiles than SMs, and the grid's row blocks past each shorter sequence never handed out."""
+    generator = torch.Generator().manual_seed(head_dim)
+    lengths_q = torch.randint(0, 600, (41,), generator=generator).tolist()
+    lengths_k = torch.randint(0, 600, (41,), generator=generator).tolist()
+    lengths_q[:6], lengths_k[:6] = [0, 1, 128, 129, 700, 5], [9, 0, 128, 300, 129, 700]
+    q, k, v, cu_q, cu_k = make_varlen_qkv(lengths_q, lengths_k, 8, 2, head_dim, torch.bfloat16, device="cuda")
+    options = {name: value for name, value in features.items() if name != "alibi"}
+    if features.get("alibi"):
+        options["alibi_slopes"] = alibi_slopes(41, 8, True, "cuda") / 8
+    causal = options.pop("causal", False)
+    check_varlen_forward(q, k, v, cu_q, cu_k, causal=causal, **options)
+
+
 @pytest.mark.parametrize("features", [{}, {"softcap": 20.0}, {"causal": True}, {"window_size": (300, 200)}],
                          ids=["full", "softcap", "causal", "window"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -70,13 +70,14 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
 
   check_grid_limits(params, "forward");
   const int64_t num_m_blocks = (params.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
-  // No dropout or variable-length batch: the persistent kernel, one CTA per SM.
+  // No dropout or keys in a cache: the persistent kernel, one CTA per SM.
   {
     using PersistentTile = FwdSm90PersistentTile<kHeadDim>;
     static_assert(PersistentTile::kBlockM == Tile::kBlockM && PersistentTile::kBlockN == Tile::kBlockN,
                   "both kernels read the same TMA boxes");
-    const int64_t num_tiles = num_m_blocks * params.heads_q * params.batch;  // the kernel counts them in int32
-    if (!params.is_varlen() && !params.has_dropout() && params.tile_counter != nullptr && num_tiles <= INT32_MAX) {
+    // The grid of tiles (a variable-length batch: seqlen_q is its longest sequence); the kernel counts them in int32.
+    const int64_t num_tiles = num_m_blocks * params.heads_q * params.batch;
+    if (!params.keys_in_cache() && !params.has_dropout() && params.tile_counter != nullptr && num_tiles <= INT32_MAX) {
       const auto persistent = params.has_score_mods() ? attention_fwd_sm90_persistent_kernel<Element, kHeadDim, true>
                                                       : attention_fwd_sm90_persistent_kernel<Element, kHeadDim, false>;
       const int num_sms = current_device_info().num_sms;

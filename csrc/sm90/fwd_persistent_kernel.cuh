@@ -1,4 +1,4 @@
-// Hopper (sm_90a) forward without dropout or a variable-length batch (head dims 64, 128, 256): persistent and
+// Hopper (sm_90a) forward without dropout or keys in a cache (head dims 64, 128, 256): persistent and
 // warp-specialised.
 //
 // Why a second sm90 forward: fwd_kernel.cuh's CTA (8 warps, no producer, one tile) spends part of each tile
@@ -15,7 +15,7 @@
 //         0.478-0.483 -> 0.469-0.470 ms
 //   hd256 full 558-562 / 600-606 / 596-602 -> 654-667 / 714-716 / 722-729, causal 472-476 / 582-616 /
 //         633-642 -> 539-542 / 616-641 / 702-724
-// fwd_kernel.cuh keeps dropout and variable-length batches.
+// fwd_kernel.cuh keeps dropout and KV-cache prefills (keys read in place from a cache).
 //
 // Tiles: the first gridDim.x by blockIdx.x, then from params.tile_counter, in FwdWalkTile's order (each
 // head's row blocks from the last: under a causal mask the longest walks start first, and the CTAs running
@@ -42,8 +42,8 @@
 // hd256 64 + 2 x 32 + 2 x 32 = 192 KB.
 // O stored by TMA or unstaged is slower (docs/design.md, Tried and not kept).
 //
-// Launches it takes (fwd_launch_template.cuh): no variable-length batch, no dropout; softcap and ALiBi in the
-// kExtras instantiation.
+// Launches it takes (fwd_launch_template.cuh): dense or variable-length batches without dropout or keys in a
+// cache; softcap and ALiBi in the kExtras instantiation.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only)
@@ -93,25 +93,83 @@ struct FwdSm90PersistentTile {
   static_assert(kSmemBytes <= 227 * 1024, "an sm90 CTA has at most 227 KB of shared memory");
 };
 
-// What both roles need of tile `tile`: row block fastest, from the last (a causal mask's longest walk) to the
-// first, then head, then batch. CTAs that run together share a head's K / V in L2, and taken in this order
-// from the counter the longest walks start first.
+// What both roles need of tile `tile` of the grid (num_m_blocks row blocks of the longest sequence x heads x
+// batch): row block fastest, from the last (a causal mask's longest walk) to the first, then head, then batch.
+// CTAs that run together share a head's K / V in L2, and taken in this order from the counter the longest walks
+// start first. Only tiles with rows of their sequence are constructed (FwdTileNumbering).
 template <typename Tile>
 struct FwdWalkTile {
   int m_block, head, batch;
+  int len_q, len_k;                     // the sequence's
+  int q_row0, k_row0;                   // where its rows start in the (packed) tensors; dense: 0
   int first_key_block, num_key_blocks;  // visited from num_key_blocks - 1 down to first_key_block
 
-  __device__ __forceinline__ FwdWalkTile(int tile, int num_m_blocks, int heads, int len_q, const BandMask& band) {
+  __device__ __forceinline__ FwdWalkTile(int tile, int num_m_blocks, const FwdParams& params) {
     m_block = num_m_blocks - 1 - tile % num_m_blocks;
-    head = tile / num_m_blocks % heads;
-    batch = tile / num_m_blocks / heads;
-    const int first_row = m_block * Tile::kBlockM;
-    const int last_row = min(first_row + Tile::kBlockM, len_q) - 1;
-    const int key_begin = band.begin(first_row), key_end = band.end(last_row);
+    head = tile / num_m_blocks % params.heads_q;
+    batch = tile / num_m_blocks / params.heads_q;
+    const SequenceSpan q_span = params.query_span(batch), k_span = params.key_span(batch);
+    len_q = static_cast<int>(q_span.length);
+    len_k = static_cast<int>(k_span.length);
+    q_row0 = static_cast<int>(q_span.begin);
+    k_row0 = static_cast<int>(k_span.begin);
+    const BandMask band = band_mask(params);
+    const int key_begin = band.begin(first_row()), key_end = band.end(first_row() + valid_rows() - 1);
     first_key_block = key_begin / Tile::kBlockN;
     num_key_blocks = key_end > key_begin ? (key_end + Tile::kBlockN - 1) / Tile::kBlockN : first_key_block;
   }
   __device__ __forceinline__ int num_blocks() const { return num_key_blocks - first_key_block; }
+  __device__ __forceinline__ int first_row() const { return m_block * Tile::kBlockM; }
+  __device__ __forceinline__ int valid_rows() const { return min(Tile::kBlockM, len_q - first_row()); }
+  __device__ __forceinline__ BandMask band_mask(const FwdParams& params) const { return BandMask(params, len_q, len_k); }
+  // The batch coordinate of TMA boxes: a variable-length batch is one packed batch entry.
+  __device__ __forceinline__ int tma_batch(const FwdParams& params) const { return params.is_varlen() ? 0 : batch; }
+};
+
+// Which grid tile the producer's n-th tile is. Dense batches: tile n itself. Variable-length batches: the grid
+// has num_m_blocks row blocks for every sequence, and those past a shorter sequence's end have no rows; the
+// producer numbers only the tiles with rows (batch slowest, then head, then row block from the last, the grid's
+// order) and hands the consumers their grid tiles, so neither role spends a handoff or a counter increment on
+// an empty one. A CTA's tiles only increase, so the batch of tile n is found by moving a cursor forward: 32
+// sequences per step, their tile counts added up across the warp (call from all 32 lanes of a warp).
+template <typename Tile>
+struct FwdTileNumbering {
+  int batch = 0;         // the cursor: the first sequence not passed yet
+  int tiles_before = 0;  // tiles with rows of the sequences before it
+
+  // Grid tile of tile n, or num_tiles past the last tile with rows.
+  __device__ __forceinline__ int grid_tile(int n, const FwdParams& params, int num_m_blocks, int num_tiles) {
+    if (!params.is_varlen()) return n < num_tiles ? n : num_tiles;
+    const int lane = threadIdx.x % 32;
+    while (batch < params.batch) {
+      const int b = batch + lane;
+      // At most the grid's row blocks: a max_seqlen_q below a sequence's length leaves its rows past
+      // max_seqlen_q uncomputed (as in the one-tile kernel), never a tile outside the grid.
+      const int blocks = b < params.batch ? min(num_m_blocks, (params.cu_seqlens_q[b + 1] - params.cu_seqlens_q[b] +
+                                                               Tile::kBlockM - 1) / Tile::kBlockM)
+                                          : 0;
+      const int tiles = blocks * params.heads_q;
+      int through = tiles;  // tiles of the sequences batch .. b
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int below = __shfl_up_sync(0xffffffffu, through, d);
+        if (lane >= d) through += below;
+      }
+      const unsigned reached = __ballot_sync(0xffffffffu, tiles_before + through > n);
+      if (reached != 0) {
+        const int hit = __ffs(reached) - 1;
+        tiles_before += __shfl_sync(0xffffffffu, through - tiles, hit);
+        batch += hit;
+        const int hit_blocks = __shfl_sync(0xffffffffu, blocks, hit);
+        const int local = n - tiles_before;
+        const int head = local / hit_blocks, m_block = hit_blocks - 1 - local % hit_blocks;
+        return (num_m_blocks - 1 - m_block) + num_m_blocks * (head + params.heads_q * batch);
+      }
+      tiles_before += __shfl_sync(0xffffffffu, through, 31);
+      batch += 32;
+    }
+    return num_tiles;
+  }
 };
 
 // kExtras: softcap and ALiBi (common/score_mod.cuh), as in fwd_kernel.cuh.
@@ -156,11 +214,9 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   constexpr int kHandoffThreads = 32 * (Tile::kConsumerWarps + 1);
   volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + Tile::kTileSlotOffset);
 
-  const int len_q = static_cast<int>(params.seqlen_q);
-  const int len_k = static_cast<int>(params.seqlen_k);
-  const int num_m_blocks = (len_q + kBlockM - 1) / kBlockM;
+  // The grid: row blocks of the longest sequence (seqlen_q) x heads x batch.
+  const int num_m_blocks = static_cast<int>((params.seqlen_q + kBlockM - 1) / kBlockM);
   const int num_tiles = num_m_blocks * params.heads_q * params.batch;
-  const BandMask band(params, len_q, len_k);
 
   if (threadIdx.x == 0) {
     for (int b = 0; b < kQBuffers; ++b) mbarrier_init(bar_q_full(b), 1);
@@ -192,7 +248,9 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     // Each tile, and at the end num_tiles, goes to the consumers in the tile slot of its Q buffer; q_full then
     // completes with its Q (a tile without keys: at the arrival alone, no Q).
     int block_count = 0, q_count = 0;
-    for (int tile = blockIdx.x;; ++q_count) {
+    FwdTileNumbering<Tile> numbering;
+    for (int n = blockIdx.x;; ++q_count) {
+      const int tile = numbering.grid_tile(n, params, num_m_blocks, num_tiles);
       const int slot = q_count % Tile::kTileSlots;
       __syncwarp();
       if (q_count >= Tile::kTileSlots) named_barrier_sync(kSlotReadBarrier + slot, kHandoffThreads);
@@ -202,9 +260,10 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
       if (tile >= num_tiles) break;
       const int q_buffer = q_count % kQBuffers;
       if (q_count >= kQBuffers) named_barrier_sync(kBufferFreeBarrier + q_buffer, kHandoffThreads);
-      const WalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+      const WalkTile t(tile, num_m_blocks, params);
       const bool has_keys = t.num_blocks() > 0;
       const int kv_head = t.head / params.heads_per_kv();
+      const int tma_batch = t.tma_batch(params);
       if (leader) {
         // The consumers read and wrote the buffer (O staged and copied out) through the generic proxy; TMA (the
         // async proxy) overwrites it: a proxy fence after the barrier orders the two.
@@ -212,19 +271,19 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
         mbarrier_arrive_expect_bytes(bar_q_full(q_buffer), has_keys ? Tile::kQBytes : 0);
         for (int c = 0; has_keys && c < Tile::kColumnRegions; ++c) {
           tma_load_4d(smem_q(q_buffer) + c * kBlockM * 128, &maps.q, bar_q_full(q_buffer), c * 64,
-                      t.m_block * kBlockM, t.head, t.batch);
+                      t.q_row0 + t.first_row(), t.head, tma_batch);
         }
       }
       for (int i = 0; i < t.num_blocks(); ++i, ++block_count) {
         const int stage = block_count % kStages;
         const uint32_t free_parity = ((block_count / kStages) & 1) ^ 1;
-        const int key_row = (t.num_key_blocks - 1 - i) * kBlockN;
+        const int key_row = t.k_row0 + (t.num_key_blocks - 1 - i) * kBlockN;
         mbarrier_wait(bar_k_empty(stage), free_parity);
         if (leader) {
           mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
           for (int c = 0; c < Tile::kColumnRegions; ++c) {
             tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head,
-                        t.batch);
+                        tma_batch);
           }
         }
         mbarrier_wait(bar_v_empty(stage), free_parity);
@@ -232,7 +291,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
           mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
           for (int c = 0; c < Tile::kColumnRegions; ++c) {
             tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head,
-                        t.batch);
+                        tma_batch);
           }
         }
       }
@@ -240,7 +299,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
       // CTAs may run out of work).
       int next = 0;
       if (leader) next = static_cast<int>(gridDim.x) + atomicAdd(params.tile_counter, 1);
-      tile = __shfl_sync(0xffffffffu, next, 0);
+      n = __shfl_sync(0xffffffffu, next, 0);
     }
     // The consumers' arrivals no write waited for: the last two slots' reads (the end included) and the last Q
     // buffers' releases, so that no barrier is left part-way at exit.
@@ -269,12 +328,16 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     issue_qk_gemm<Element, kBlockM, kBlockN, kHeadDim>(acc_s[0], smem_q(q_buffer) + group * 64 * 128, smem_k(stage),
                                                        bar_k_full(stage), (g / kStages) & 1);
   };
+  // O of tile t's rows from `first_row` of its sequence on.
+  auto tile_out = [&](const WalkTile& t) {
+    return static_cast<Element*>(params.out) + t.batch * params.out_strides.batch + t.head * params.out_strides.head +
+           static_cast<int64_t>(t.q_row0 + t.first_row()) * params.out_strides.row;
+  };
   // Output 0 and lse -inf for this warpgroup's rows of a tile whose rows see no key.
   auto write_empty_tile = [&](const WalkTile& t) {
-    const int first_row = t.m_block * kBlockM;
-    const int valid_rows = min(kBlockM, len_q - first_row);
-    Element* out = static_cast<Element*>(params.out) + t.batch * params.out_strides.batch +
-                   t.head * params.out_strides.head + first_row * params.out_strides.row;
+    const int first_row = t.first_row();
+    const int valid_rows = t.valid_rows();
+    Element* out = tile_out(t);
     float* lse = params.lse + params.lse_index(t.batch, t.head, first_row);
     for (int i = thread_in_group; i < 64 * kChunksPerRow; i += 128) {
       const int row = 64 * group + i / kChunksPerRow, col = i % kChunksPerRow * 8;
@@ -286,11 +349,10 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   // the warpgroup's own rows of the tile's Q buffer (its last S completed; the other warpgroup reads only its
   // own rows), copied out in 16-byte chunks, then the buffer released.
   auto store_tile = [&](int tile, int q_buffer, const uint32_t (&o_packed)[kNTilesO][2], const float (&row_lse)[2]) {
-    const WalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
-    const int first_row = t.m_block * kBlockM;
-    const int valid_rows = min(kBlockM, len_q - first_row);
-    Element* out = static_cast<Element*>(params.out) + t.batch * params.out_strides.batch +
-                   t.head * params.out_strides.head + first_row * params.out_strides.row;
+    const WalkTile t(tile, num_m_blocks, params);
+    const int first_row = t.first_row();
+    const int valid_rows = t.valid_rows();
+    Element* out = tile_out(t);
     float* lse = params.lse + params.lse_index(t.batch, t.head, first_row);
     // The warpgroup's reads of this buffer's rows for an earlier tile come first (ordered anyway, through the
     // buffer's release and its next Q's arrival at its mbarrier, which racecheck does not follow).
@@ -341,7 +403,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     named_barrier_arrive(kSlotReadBarrier + slot, kHandoffThreads);
     if (tile >= num_tiles) break;
     mbarrier_wait(bar_q_full(q_buffer), (q_count / kQBuffers) & 1);
-    const WalkTile t(tile, num_m_blocks, params.heads_q, len_q, band);
+    const WalkTile t(tile, num_m_blocks, params);
     const int num_blocks = t.num_blocks();
     if (num_blocks <= 0) {
       // No Q came: the pending epilogue goes first (its buffer is the one the producer waits for next).
@@ -352,8 +414,9 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
       named_barrier_arrive(kBufferFreeBarrier + q_buffer, kHandoffThreads);
       continue;
     }
-    const int first_row = t.m_block * kBlockM;
-    const int valid_rows = min(kBlockM, len_q - first_row);
+    const int first_row = t.first_row();
+    const int valid_rows = t.valid_rows();
+    const BandMask band = t.band_mask(params);
     // Blocks needing the element-wise mask: as in fwd_kernel.cuh.
     const int last_row = first_row + valid_rows - 1;
     const int hi_unmasked = max(t.first_key_block, min(t.num_key_blocks, band.end(first_row) / kBlockN));
@@ -377,7 +440,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     // Softcap and ALiBi of this tile's (batch, head); nothing without kExtras.
     const auto mod = [&] {
       if constexpr (kExtras) {
-        return ScoreMod(params, t.batch, t.head, len_q, len_k);
+        return ScoreMod(params, t.batch, t.head, t.len_q, t.len_k);
       } else {
         return 0;
       }
