@@ -8,6 +8,7 @@
 #
 # Runs forward + backward three times and profiles the kernel's third launch (the first two warm up), with
 # --clock-control none (the device's notes: leave the clocks alone). Writes $OUT/ncu_<kernel>_hd<D>_<S>.txt.
+# NCU_RAW=1: every metric of ncu's full set, one per line (--set full --page raw; grep it for pipes, shared memory).
 # Needs flash_ext built in place (python setup.py build_ext --inplace) and ncu on the PATH.
 set -euo pipefail
 
@@ -31,12 +32,18 @@ while [ $# -gt 0 ]; do
   shift
 done
 mkdir -p "$OUT"
-report="$OUT/ncu_${KERNEL}_hd${HEAD_DIM}_${SEQLEN}.txt"
+suffix=""
+[ "${NCU_RAW:-0}" = 1 ] && suffix=_raw
+report="$OUT/ncu_${KERNEL}_hd${HEAD_DIM}_${SEQLEN}${suffix}.txt"
 
 cd "$REPO"
-PYTHONPATH="$REPO" ncu --clock-control none --kernel-name "regex:$KERNEL" --launch-skip 2 --launch-count 1 \
-  --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-  --section SchedulerStats --section WarpStateStats --section Occupancy --section LaunchStats \
+if [ "${NCU_RAW:-0}" = 1 ]; then
+  what=(--set full --page raw)
+else
+  what=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+        --section SchedulerStats --section WarpStateStats --section Occupancy --section LaunchStats)
+fi
+PYTHONPATH="$REPO" ncu --clock-control none --kernel-name "regex:$KERNEL" --launch-skip 2 --launch-count 1 "${what[@]}" \
   "$PY" - <<PYTHON >"$report" 2>&1
 import torch
 import flash_ext
