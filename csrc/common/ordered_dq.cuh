@@ -13,9 +13,9 @@
 // n + 1 in the turn; key block n waits until it holds n + 2 (key block n + 1 sees the query block) or 0 (none
 // above it does). The set of key blocks that see a query block is contiguous (both ends of the band grow with
 // the row), so "n + 1 sees it" decides whether anyone above n does. Who takes turns:
-//   - the persistent kernel: one turn per (query head, query block), kept by a warp of the producer
-//     warpgroup (the turn keeper): it reads the turn, grants it to the 8 consumer warps through an mbarrier,
-//     and passes it on once they have all arrived after their atomics. The consumers wait on and arrive at
+//   - the persistent kernel: one turn per (query head, query block, dQ part), each part's kept by a warp of
+//     the producer warpgroup (a turn keeper): it reads the turn, grants it to the 8 consumer warps through an
+//     mbarrier, and passes it on once they have all arrived after their atomics of that part. The consumers wait on and arrive at
 //     mbarriers only: polling, fences and release stores in the consumer warps themselves cost 22-28% of the
 //     backward (H200, hd128 8k, bf16, 2026-12-02: 456 TFLOP/s unordered, 329 with per-warp turns);
 //   - the per-walk kernel (softcap / ALiBi / dropout, no spare warp): one turn per warp slice of the

@@ -101,7 +101,7 @@ struct BwdSm90Tile {
   // 2 x 64 + 2 x 2 x 8 KB; hd64 with 128-query steps: 32 + 2 x 32 + 2 x 2 x 32 KB).
   static constexpr int kStages = 2 * kKvBytes + 3 * 2 * kQBytes + 4 * kDsBytes <= 224 * 1024 ? 3 : 2;
   // K, V, Q[stage], dO[stage], dSᵀ[2], Pᵀ[2], lse[stage], D[stage], the mbarriers (K and V full, Q full
-  // [stage]; persistent: K empty, V empty, and the turn keeper's turn granted[2] and dQ added[2]), the
+  // [stage]; persistent: K empty, V empty, and per dQ part the turn keeper's turn granted[2] and dQ added[2]), the
   // release counters and the
   // next tiles' slots, from the 1024-byte aligned base (the swizzle is computed from absolute addresses).
   static constexpr int kVOffset = kKvBytes;
@@ -112,7 +112,7 @@ struct BwdSm90Tile {
   static constexpr int kLseOffset = kPOffset + 2 * kDsBytes;
   static constexpr int kDOffset = kLseOffset + kStages * kStatBytes;
   static constexpr int kBarrierOffset = kDOffset + kStages * kStatBytes;
-  static constexpr int kBarriers = 1 + kStages + (kPersistent ? 2 + 4 : 0);
+  static constexpr int kBarriers = 1 + kStages + (kPersistent ? 2 + 8 : 0);
   static constexpr int kCounterOffset = kBarrierOffset + 8 * kBarriers;
   static constexpr int kNextTileOffset = kCounterOffset + 4 * kStages;  // 2 ints (persistent CTAs' next tiles)
   static constexpr int kSmemBytes = kNextTileOffset + 8;
@@ -252,10 +252,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   // Persistent only: the consumers' releases of K and V (8 warps each).
   const uint32_t bar_k_empty = bar_kv_full + 8 * (1 + kStages);
   const uint32_t bar_v_empty = bar_k_empty + 8;
-  // The turn keeper's (kTurnKeeper): step g's turn granted to the consumers, and their dQ of step g added
-  // (8 warps), in slot g % 2.
-  auto bar_turn_granted = [&](int g) { return bar_v_empty + 8 * (1 + g % 2); };
-  auto bar_dq_added = [&](int g) { return bar_v_empty + 8 * (3 + g % 2); };
+  // The turn keepers' (kTurnKeeper): step g's turn of dQ part `part` granted to the consumers, and their part of
+  // step g's dQ added (8 warps), in slot g % 2.
+  auto bar_turn_granted = [&](int g, int part) { return bar_v_empty + 8 * (1 + 2 * part + g % 2); };
+  auto bar_dq_added = [&](int g, int part) { return bar_v_empty + 8 * (5 + 2 * part + g % 2); };
   int* release_count = reinterpret_cast<int*>(smem + Tile::kCounterOffset);
 
   const int key_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
@@ -307,9 +307,11 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       mbarrier_init(bar_v_empty, Tile::kWarps);
     }
     if constexpr (kTurnKeeper) {
-      for (int slot = 0; slot < 2; ++slot) {
-        mbarrier_init(bar_turn_granted(slot), 1);
-        mbarrier_init(bar_dq_added(slot), Tile::kWarps);
+      for (int part = 0; part < 2; ++part) {
+        for (int slot = 0; slot < 2; ++slot) {
+          mbarrier_init(bar_turn_granted(slot, part), 1);
+          mbarrier_init(bar_dq_added(slot, part), Tile::kWarps);
+        }
       }
     }
     mbarrier_init_fence();
@@ -333,9 +335,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr int kQueryBufferBarrier = 6;                      // + the buffer
   constexpr int kTileSlotFullBarrier = 6 + kStages;           // + the slot
   constexpr int kTileSlotFreeBarrier = kTileSlotFullBarrier + 2;  // + the slot
-  // At the query buffers' barriers: the consumers and the producer warp; at the tile slots': the turn keeper too.
+  // At the query buffers' barriers: the consumers and the producer warp; at the tile slots': the turn keepers too.
   constexpr int kBufferThreads = Tile::kConsumerThreads + 32;
-  constexpr int kHandoffThreads = kBufferThreads + (kTurnKeeper ? 32 : 0);
+  constexpr int kHandoffThreads = kBufferThreads + (kTurnKeeper ? 32 * kDqParts : 0);
   static_assert(kTileSlotFreeBarrier + 2 <= 16, "a CTA has 16 named barriers");
   // The CTA's first tile: its index, or (per-walk CTAs, deterministic) the next from params.dkdv_tile_counter,
   // which the preprocess zeroes: so that the tiles a walk waits for (common/ordered_dq.cuh) were taken by CTAs
@@ -368,19 +370,22 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       // ---- producer: warp 8, whose first lane issues every load, walk after walk ----
       release_registers<Tile::kProducerRegisters>();
       if constexpr (kTurnKeeper) {
-        if (threadIdx.x / 32 == Tile::kWarps + 1) {
-          // ---- turn keeper: warp 9, whose lane 0 keeps the CTA's dQ turns (common/ordered_dq.cuh), walk after
-          // walk: step g's turn read early, step g - 1's passed on once all 8 consumer warps added its dQ
-          // (bar_dq_added), then step g's awaited (unless the early read matched) and granted to the consumers
-          // (bar_turn_granted). Granting g after passing g - 1 keeps slot g % 2's phases apart: the consumers
-          // have waited for step g - 2's grant before they added g - 1.
+        const int keeper_part = threadIdx.x / 32 - (Tile::kWarps + 1);
+        if (keeper_part >= 0 && keeper_part < kDqParts) {
+          // ---- turn keepers: warps 9 and 10, whose lane 0 keeps the CTA's dQ turns (common/ordered_dq.cuh) of
+          // dQ part `keeper_part`, walk after walk: step g's turn read early, step g - 1's passed on once all 8
+          // consumer warps added that part of its dQ (bar_dq_added), then step g's awaited (unless the early read
+          // matched) and granted to the consumers (bar_turn_granted). A keeper per part, so that a walk below
+          // waits for the part it adds next, never for this walk's other part (one keeper for both passed the
+          // turn after the second part's additions, half a step later). Granting g after passing g - 1 keeps
+          // slot g % 2's phases apart: the consumers have waited for step g - 2's grant before they added g - 1.
           const bool keeper = threadIdx.x % 32 == 0;
           int g = 0;
           int* turn_to_pass = nullptr;  // step g - 1's
           int passed_value = 0;
           auto pass_turn = [&] {
             if (turn_to_pass == nullptr) return;
-            mbarrier_wait(bar_dq_added(g - 1), static_cast<uint32_t>((g - 1) / 2) & 1);
+            mbarrier_wait(bar_dq_added(g - 1, keeper_part), static_cast<uint32_t>((g - 1) / 2) & 1);
             if (keeper) release_dq_turn(turn_to_pass, passed_value);
             turn_to_pass = nullptr;
           };
@@ -389,12 +394,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
             const Walk walk(params, tile, key_blocks);
             for (int i = 0; i < walk.num_steps; ++i, ++g) {
               int* turn = params.dq_turns + dq_turn_index(walk.head(i), params.dq_accum_rows,
-                                                          walk.sequence_accum_row + walk.first_query(i), 0);
+                                                          walk.sequence_accum_row + walk.first_query(i), keeper_part);
               const int seen = keeper ? read_dq_turn(turn) : 0;
               pass_turn();
               if (keeper) {
                 acquire_dq_turn(turn, walk.awaited_dq_turn(i), seen);
-                mbarrier_arrive(bar_turn_granted(g));
+                mbarrier_arrive(bar_turn_granted(g, keeper_part));
               }
               __syncwarp();
               turn_to_pass = turn;
@@ -753,7 +758,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       const int g = steps_before + i;
       const bool ordered = takes_turns(i);
       if constexpr (kTurnKeeper) {
-        if (part == 0) mbarrier_wait(bar_turn_granted(g), static_cast<uint32_t>(g / 2) & 1);
+        mbarrier_wait(bar_turn_granted(g, part), static_cast<uint32_t>(g / 2) & 1);
       }
       if (ordered && part == 0) wait_for_dq_turn(dq_turn(i), walk.awaited_dq_turn(i), seen);
       const int64_t accum_row = dq_accum_row(i);
@@ -769,10 +774,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         }
       }
       if constexpr (kTurnKeeper) {
-        if (part == kDqParts - 1) {
-          __syncwarp();
-          if (lane == 0) mbarrier_arrive(bar_dq_added(g));
-        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(bar_dq_added(g, part));
       }
       if (ordered && part == kDqParts - 1) turn_to_pass = i;
     };
