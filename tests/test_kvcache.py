@@ -515,14 +515,11 @@ def test_greedy_decode_matches_full_recompute(device, page_size, dtype):
 # ---- Prefill: more packed query rows than the decode kernel takes -------------------------------------------
 
 # The cache layouts of the prefill tests. On sm90 the forward reads a dense cache where it is (rows picked by
-# cache_batch_idx, from leftpad on), and pages that hold whole key blocks (128 keys, 64 at head dim 256) without
-# leftpad through the block table; other pages are gathered first.
+# cache_batch_idx, from leftpad on); pages are gathered first.
 PREFILL_LAYOUTS = {
     "dense": {},
     "batch_idx_leftpad": dict(batch_idx=True, leftpad=(3, 20)),
     "paged16": dict(page_size=16),
-    "paged64": dict(page_size=64),
-    "paged128": dict(page_size=128),
     "paged256": dict(page_size=256),
     "paged64_leftpad": dict(page_size=64, leftpad=(3, 20)),
 }
@@ -579,15 +576,14 @@ def test_prefill_ignores_nan_past_each_sequence(head_dim, layout):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("page_size", [None, 256])
-def test_prefill_reads_the_cache_in_place_on_sm90(head_dim, page_size):
-    """On sm90 a prefill call on a dense cache, or on pages of whole key blocks, allocates its output, not a packed
-    copy of the keys (2 x 64 MiB at head_dim 128 here)."""
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_prefill_reads_the_cache_in_place_on_sm90(head_dim):
+    """On sm90 a prefill call on a dense cache allocates its output, not a packed copy of the keys (2 x 64 MiB
+    at head_dim 128 here). (Head dim 64 gathers: FwdSm90Tile::kReadsCache.)"""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-place read is the sm90 forward's")
     args, kwargs = case("cuda", torch.bfloat16, head_dim=head_dim, heads_q=32, heads_kv=8, seqlen_q=64, seqlen_new=None,
-                        seqlen_cache=16384, cache_seqlens=(16000, 9000), page_size=page_size, causal=True)
+                        seqlen_cache=16384, cache_seqlens=(16000, 9000), causal=True)
     with torch.no_grad():
         flash_ext.attention_with_kvcache(*args, **kwargs)  # warm-up: workspace and library handles
         torch.cuda.synchronize()

@@ -212,16 +212,15 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
             lse.view({heads_q, batch, seqlen_q}).permute({1, 0, 2}).contiguous()};
   };
   // num_splits: how a decode kernel would split the keys; the forward's result does not depend on it.
-  // The sm90 forward reads a dense cache in place, and pages without cache_leftpad whose size is a multiple of its
-  // key block (one TMA box per block, its page from the block table); otherwise the keys are gathered into
-  // packed rows (pages of 16 read in place, eight boxes a block, ran at 0.36x of the dense forward:
-  // docs/design.md).
-  if (!paged || !cache_leftpad.has_value()) {
+  // A dense cache is read in place where the sm90 forward takes the call; pages are gathered into packed rows
+  // (read in place through the block table by the forward's loading warps, they ran at 0.36x (page 16) to
+  // 0.81-0.91x (page 256) of the dense forward, no better than the gather: docs/design.md).
+  if (!paged) {
     const auto int32 = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
       if (!t.has_value()) return std::nullopt;
       return t->to(at::kInt).contiguous();
     };
-    const CachedKeys keys{lengths.to(at::kInt), int32(cache_leftpad), int32(cache_batch_idx), int32(block_table)};
+    const CachedKeys keys{lengths.to(at::kInt), int32(cache_leftpad), int32(cache_batch_idx)};
     const VarlenArgs varlen_q{cu_seqlens_q, std::nullopt, seqlen_q, capacity};
     if (auto fwd = attention_fwd_keys_in_cache_cuda(q_packed, k_cache, v_cache, options, varlen_q, keys)) {
       return result(std::get<0>(*fwd), std::get<1>(*fwd));

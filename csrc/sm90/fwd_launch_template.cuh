@@ -41,23 +41,10 @@ inline bool cache_layout_readable(const FwdParams& params) {
          params.cache_seqlen <= INT32_MAX;
 }
 
-// The persistent kernel's grid of tiles (a variable-length batch: seqlen_q is its longest sequence), and whether
-// that kernel takes the call: no dropout, a per-call tile counter, tiles counted in int32.
-inline int64_t fwd_num_tiles(const FwdParams& params, int block_m) {
-  return (params.seqlen_q + block_m - 1) / block_m * params.heads_q * params.batch;
-}
-template <int kHeadDim>
-bool persistent_takes(const FwdParams& params) {
-  return !params.has_dropout() && params.tile_counter != nullptr &&
-         fwd_num_tiles(params, FwdSm90PersistentTile<kHeadDim>::kBlockM) <= INT32_MAX;
-}
-
 template <Elem16 kElem, int kHeadDim>
 bool fwd_applies(const FwdParams& params) {
   if (!device_is_sm90() || !FwdKernels<ElementOf<kElem>, kHeadDim>::has_code(params)) return false;
-  // Keys in a cache: the persistent kernel reads them (a variable-length q); a page holds whole key blocks.
-  if (params.keys_in_cache() && (!params.is_varlen() || !persistent_takes<kHeadDim>(params))) return false;
-  if (params.key_pages != nullptr && params.cache_seqlen % FwdSm90PersistentTile<kHeadDim>::kBlockN != 0) return false;
+  if (params.keys_in_cache() && (!params.is_varlen() || !FwdSm90Tile<kHeadDim>::kReadsCache)) return false;
   if (!cache_layout_readable(params)) return false;
   const FwdTmaShape shape(params, kHeadDim);
   return shape.rows_q > 0 && shape.rows_k > 0 && tma_compatible(params.q, shape.q) &&
@@ -83,13 +70,14 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
 
   check_grid_limits(params, "forward");
   const int64_t num_m_blocks = (params.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
-  // The persistent kernel, one CTA per SM, where it takes the call.
+  // No dropout or keys in a cache: the persistent kernel, one CTA per SM.
   {
     using PersistentTile = FwdSm90PersistentTile<kHeadDim>;
     static_assert(PersistentTile::kBlockM == Tile::kBlockM && PersistentTile::kBlockN == Tile::kBlockN,
                   "both kernels read the same TMA boxes");
-    const int64_t num_tiles = fwd_num_tiles(params, Tile::kBlockM);
-    if (persistent_takes<kHeadDim>(params)) {
+    // The grid of tiles (a variable-length batch: seqlen_q is its longest sequence); the kernel counts them in int32.
+    const int64_t num_tiles = num_m_blocks * params.heads_q * params.batch;
+    if (!params.keys_in_cache() && !params.has_dropout() && params.tile_counter != nullptr && num_tiles <= INT32_MAX) {
       const auto persistent = params.has_score_mods() ? attention_fwd_sm90_persistent_kernel<Element, kHeadDim, true>
                                                       : attention_fwd_sm90_persistent_kernel<Element, kHeadDim, false>;
       const int num_sms = current_device_info().num_sms;
