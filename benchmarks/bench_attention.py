@@ -339,12 +339,12 @@ def run_line(meta, rows):
     def named(commit):
         return f"`{commit}` ({', '.join(sorted(commits[commit], key=lambda i: order.get(i, 99)))})"
 
-    # The file's header (date, torch, cuDNN) is that of its latest run, at meta["commit"].
+    # The file's header (date, torch, cuDNN) is that of its main run, at meta["commit"].
     latest = meta.get("commit") if meta.get("commit") in commits else None
     if len(commits) == 1:
         where = f"commit `{next(iter(commits))}`"
     elif latest:
-        where = f"commit {named(latest)}; earlier runs: " + ", ".join(named(c) for c in commits if c != latest)
+        where = f"commit {named(latest)}; other runs: " + ", ".join(named(c) for c in commits if c != latest)
     else:
         where = "commits " + ", ".join(named(c) for c in commits)
     date = str(meta["date"])[:10] if meta.get("date") else "date not recorded"
