@@ -161,6 +161,11 @@ void run_attention_decode(const DecodeParams& params, bool bfloat16, cudaStream_
   return for_dtype(std::integral_constant<Elem16, Elem16::kFloat16>{});
 }
 
+void run_kv_append(const KvAppendParams& params, bool bfloat16, cudaStream_t stream) {
+  if (bfloat16) return decode::run_kv_append<Elem16::kBFloat16>(params, stream);
+  decode::run_kv_append<Elem16::kFloat16>(params, stream);
+}
+
 std::string describe_kernels(const BwdParams& params) {
   return dispatch_dtype_head_dim(params, [&](auto elem, auto head_dim) {
     constexpr Elem16 kElem = decltype(elem)::value;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "bwd_plan.h"
+#include "decode/append_params.h"
 #include "decode/decode_params.h"
 #include "params.h"
 
@@ -32,6 +33,10 @@ void run_attention_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_
 bool decode_supports(int head_dim);
 // Runs the decode kernels (decode/launch.h) for params.head_dim; `bfloat16` picks the element type.
 void run_attention_decode(const DecodeParams& params, bool bfloat16, cudaStream_t stream);
+
+// Writes attention_with_kvcache's new keys and values into the caches (rotary applied to them and to q where
+// params.cos is given; decode/append_kernel.cuh); `bfloat16` picks the element type.
+void run_kv_append(const KvAppendParams& params, bool bfloat16, cudaStream_t stream);
 
 // Which kernels the forward and the backward of this call take, in words (flash_ext.kernel_path).
 std::string describe_kernels(const BwdParams& params);

@@ -122,6 +122,11 @@ struct FwdParams {
   const int32_t* key_rows = nullptr;
   int64_t cache_batch = 0;
   int64_t cache_seqlen = 0;
+  // Paged caches (key_pages != nullptr; then no key_starts or key_rows): k and v are (pages, page_size, heads_kv,
+  // head_dim) pools, cache_batch their pages and cache_seqlen page_size, and key j of sequence b is slot
+  // j % page_size of page key_pages[b * key_pages_stride + j / page_size].
+  const int32_t* key_pages = nullptr;
+  int64_t key_pages_stride = 0;
 
   // The persistent sm90 forward's CTAs take their tiles after the first gridDim.x, ... from this counter, zeroed
   // per call (api/ops_cuda.cpp); nullptr: that kernel is not launched.

@@ -1,5 +1,6 @@
-"""Small CUDA cases of the decode kernels (flash_ext.attention_with_kvcache) for compute-sanitizer (memcheck,
-racecheck), checked against the reference; run on its own or at the end of scripts/sanitize.py.
+"""Small CUDA cases of flash_ext.attention_with_kvcache for compute-sanitizer (memcheck, racecheck): the decode
+kernels, and prefills (the sm90 forward reading dense or paged caches in place), checked against the reference;
+run on its own or at the end of scripts/sanitize.py.
 
     compute-sanitizer --tool racecheck python3 scripts/sanitize_decode.py
 """
@@ -9,13 +10,17 @@ import flash_ext
 from flash_ext.reference import attention_with_kvcache_ref
 
 torch.manual_seed(0)
-# One row tile (warps on their own slices; splits and the combine), four row tiles (warps sharing each stage;
-# 20 rows: a partial last tile), paged and dense caches.
+# Decode: one row tile (warps on their own slices; splits merged by the last CTA), four row tiles (warps sharing
+# each stage; 20 rows: a partial last tile), paged and dense caches. Prefill (280 packed rows per kv head):
+# pages of whole key blocks and a dense cache, sequences ending inside a block (stale rows zeroed).
 kvcache_cases = [  # batch, seqlen_q, heads_q, heads_kv, head_dim, capacity, page_size (0: dense), num_splits
     (2, 1, 8, 2, 128, 700, 0, 0),
     (2, 1, 4, 1, 64, 520, 16, 3),
     (1, 5, 8, 2, 128, 300, 0, 1),
     (2, 16, 8, 2, 256, 260, 32, 0),
+    (2, 70, 8, 2, 128, 768, 256, 0),
+    (2, 70, 8, 2, 64, 640, 128, 0),
+    (2, 70, 8, 2, 256, 700, 0, 0),
 ]
 for batch, sq, hq, hkv, hd, capacity, page, splits in kvcache_cases:
     if page:

@@ -247,11 +247,34 @@ def test_cache_update_is_in_place_and_repeated_calls_accumulate():
     check_call([q, k_cache, v_cache, torch.randn(2, 3, 2, 32), torch.randn(2, 3, 2, 32)], kwargs)
 
 
-def test_strided_inputs():
-    (q, k_cache, v_cache, k, v), kwargs = make_case(rotary_dim=32, causal=True)
-    q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    k = torch.randn(2, 2, 3, 32).transpose(1, 2)
-    check_call([q, k_cache, v_cache, k, v], kwargs)
+def _strided_q_and_new_keys(q, k_cache, v_cache, k, v):
+    def heads_slowest(t):
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return [heads_slowest(q), k_cache, v_cache, heads_slowest(k), v]
+
+
+def _caches_of_one_kv_tensor(q, k_cache, v_cache, k, v):
+    kv = torch.stack([k_cache, v_cache], dim=2)  # (rows, seqlen, 2, heads, head_dim): each cache a strided view
+    return [q, kv[:, :, 0], kv[:, :, 1], k, v]
+
+
+def _caches_every_other_element(q, k_cache, v_cache, k, v):
+    wide = [torch.stack([c, torch.full_like(c, float("nan"))], dim=-1).flatten(-2) for c in (k_cache, v_cache)]
+    return [q, wide[0][..., ::2], wide[1][..., ::2], k, v]
+
+
+STRIDED = {"q_and_new_keys": _strided_q_and_new_keys, "caches_of_one_kv_tensor": _caches_of_one_kv_tensor,
+           "caches_every_other_element": _caches_every_other_element}
+
+
+@parametrize_devices(
+    cpu=dict(layout=_named(STRIDED), page_size=[None], dtype=[None]),
+    cuda=dict(layout=_named(STRIDED), page_size=[named(None, "dense"), named(16, "paged16")], dtype=CUDA_DTYPES),
+)
+def test_strided_inputs(device, layout, page_size, dtype):
+    """Non-contiguous q, new keys and caches: the append writes through the caches' strides."""
+    args, kwargs = case(device, dtype, rotary_dim=32, causal=True, page_size=page_size)
+    check_call(layout(*args), kwargs)
 
 
 # ---- Errors -------------------------------------------------------------------------------------------
@@ -515,11 +538,14 @@ def test_greedy_decode_matches_full_recompute(device, page_size, dtype):
 # ---- Prefill: more packed query rows than the decode kernel takes -------------------------------------------
 
 # The cache layouts of the prefill tests. On sm90 the forward reads a dense cache where it is (rows picked by
-# cache_batch_idx, from leftpad on); pages are gathered first.
+# cache_batch_idx, from leftpad on), and pages that hold whole key blocks (128 keys, 64 at head dim 256) without
+# leftpad through the block table; other pages are gathered first.
 PREFILL_LAYOUTS = {
     "dense": {},
     "batch_idx_leftpad": dict(batch_idx=True, leftpad=(3, 20)),
     "paged16": dict(page_size=16),
+    "paged64": dict(page_size=64),
+    "paged128": dict(page_size=128),
     "paged256": dict(page_size=256),
     "paged64_leftpad": dict(page_size=64, leftpad=(3, 20)),
 }
@@ -576,14 +602,15 @@ def test_prefill_ignores_nan_past_each_sequence(head_dim, layout):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_prefill_reads_the_cache_in_place_on_sm90(head_dim):
-    """On sm90 a prefill call on a dense cache allocates its output, not a packed copy of the keys (2 x 64 MiB
-    at head_dim 128 here). (Head dim 64 gathers: FwdSm90Tile::kReadsCache.)"""
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [None, 256])
+def test_prefill_reads_the_cache_in_place_on_sm90(head_dim, page_size):
+    """On sm90 a prefill call on a dense cache, or on pages of whole key blocks, allocates its output, not a packed
+    copy of the keys (2 x 64 MiB at head_dim 128 here)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-place read is the sm90 forward's")
     args, kwargs = case("cuda", torch.bfloat16, head_dim=head_dim, heads_q=32, heads_kv=8, seqlen_q=64, seqlen_new=None,
-                        seqlen_cache=16384, cache_seqlens=(16000, 9000), causal=True)
+                        seqlen_cache=16384, cache_seqlens=(16000, 9000), page_size=page_size, causal=True)
     with torch.no_grad():
         flash_ext.attention_with_kvcache(*args, **kwargs)  # warm-up: workspace and library handles
         torch.cuda.synchronize()

@@ -156,6 +156,21 @@ def test_page_sizes(device, page_size, causal, dtype):
                      lengths_k=(0, 1, p - 1, p, p + 1, 2 * p + 3), causal=causal))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_pages_of_whole_key_blocks(head_dim, page_size, causal):
+    """Pages that hold whole key blocks of the sm90 forward (128 keys, 64 at head dim 256) are read in place
+    through the block table (other pages, and other GPUs, gather): key counts at and around block and page edges,
+    with and without seqused_k, GQA; bitwise the output of attention_varlen on the gathered keys (check_call)."""
+    p = page_size
+    shapes = dict(head_dim=head_dim, heads_q=8, heads_kv=2, lengths_q=(130, 5, 64, 1, 200), causal=causal)
+    check_call(*case("cuda", torch.bfloat16, page_size=p, lengths_k=(0, 1, 127, 129, 2 * p + 3), **shapes))
+    check_call(*case("cuda", torch.bfloat16, page_size=p, lengths_k=(3, 0, 128, 300, 2 * p),
+                     seqused=(3, 64, 127, 300, 2 * p - 1), **shapes))
+
+
 SEQUSED = {
     # With block_table: seqused_k[b] keys through the pages, whatever cu_seqlens_k says.
     "paged_shorter": dict(lengths_k=(20, 16, 40, 9), seqused=(5, 16, 0, 9)),

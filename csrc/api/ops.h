@@ -62,10 +62,12 @@ FwdResult attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at:
 struct CachedKeys {
   at::Tensor lengths;
   std::optional<at::Tensor> starts, rows;
+  std::optional<at::Tensor> pages;  // a block table (int32, contiguous rows): the caches are page pools
 };
 // The forward of a variable-length q (cu_seqlens_q, max_seqlen_q; max_seqlen_k bounds the lengths) over keys
-// read in place from (rows, positions, heads_kv, head_dim) caches k_cache / v_cache: nullopt, nothing launched,
-// where no kernel reads them so (not sm90, a head dim without an sm90 kernel, dropout, layouts TMA cannot
+// read in place from (rows, positions, heads_kv, head_dim) caches k_cache / v_cache, or (pages, page_size, ...)
+// pools with `pages` (no `starts` then): nullopt, no kernel launched, where no kernel reads them so (not sm90, a
+// head dim without an sm90 kernel, dropout, pages that do not hold whole key blocks, layouts TMA cannot
 // describe); the caller then gathers the keys (packed_keys.h).
 std::optional<FwdResult> attention_fwd_keys_in_cache_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                                           const at::Tensor& v_cache, const AttentionOptions& options,

@@ -129,16 +129,29 @@ std::optional<FwdResult> attention_fwd_keys_in_cache_cuda(const at::Tensor& q_in
   p.key_lengths = keys.lengths.data_ptr<int32_t>();
   p.key_starts = ints(keys.starts);
   p.key_rows = ints(keys.rows);
+  p.key_pages = ints(keys.pages);
+  p.key_pages_stride = keys.pages.has_value() ? keys.pages->stride(0) : 0;
   p.cache_batch = k_cache.size(0);
   p.cache_seqlen = k_cache.size(1);
   p.total_k = 0;
+  // The persistent kernel's tile counter, zeroed before it runs (a memset nothing is launched after, if no
+  // kernel takes the call).
+  const ZeroedFwdState state = zeroed_fwd_state(q, stream);
+  p.tile_counter = state.tile_counter;
   if (!run_attention_fwd_keys_in_cache(p, stream)) return std::nullopt;
-  return FwdResult{out, lse, zeroed_fwd_state(q, stream).rng_state};
+  return FwdResult{out, lse, state.rng_state};
 }
 
 FwdResult varlen_paged_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const AttentionOptions& options, const VarlenArgs& varlen, const PagedArgs& paged) {
   const c10::cuda::CUDAGuard device_guard(q.device());
+  // Pages the sm90 forward reads in place (whole key blocks a page); otherwise the keys are gathered.
+  if (paged.block_table.has_value()) {
+    const CachedKeys keys{varlen_key_counts(k, varlen, paged), std::nullopt, std::nullopt,
+                          paged.block_table->contiguous()};
+    const VarlenArgs varlen_q{varlen.cu_seqlens_q, std::nullopt, varlen.max_seqlen_q, varlen.max_seqlen_k};
+    if (auto fwd = attention_fwd_keys_in_cache_cuda(q, k, v, options, varlen_q, keys)) return *fwd;
+  }
   // The used keys' counts stay on the device: the packed batch is sized by a bound (varlen_keys_bound).
   const PackedKeys packed = pack_varlen_keys(k, v, varlen, paged, /*exact=*/false);
   return attention_fwd_cuda(q, packed.k, packed.v, options,

@@ -1,6 +1,6 @@
 // flash_ext::kvcache_fwd on CUDA: the semantics of ops_kvcache_cpu.cpp with no host sync (the index tensors'
-// values stay on the device, so a CUDA graph can replay a call with advancing cache_seqlens): rotary and the
-// in-place append by torch ops with device index tensors, then the attention step. Decode and speculative
+// values stay on the device, so a CUDA graph can replay a call with advancing cache_seqlens): the in-place append
+// and rotary by one kernel (decode/append_kernel.cuh), then the attention step. Decode and speculative
 // decoding (few query rows per kv head) take the split-KV decode kernels (csrc/decode/), which read the keys
 // through the block table or the cache rows in place. Prefill against a cached prefix, head dims without a
 // decode kernel, and caches it cannot read (strides or base not 16-byte aligned) take a gather of each
@@ -52,6 +52,11 @@ bool decode_applies(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 // those take prefill against a cached prefix, where the arithmetic dominates.
 bool decode_takes(int64_t seqlen_q, int64_t group) { return seqlen_q * group <= 128; }
 
+// An optional index tensor as the kernels read it: int32, contiguous.
+std::optional<at::Tensor> int32_contiguous(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(t->to(at::kInt).contiguous()) : std::nullopt;
+}
+
 // Key splits: every resident CTA slot of the device filled once (more would be a second partial wave), in
 // whole CTA rounds of keys and at least four rounds (256 keys) a split: a CTA's fixed costs (its first copies,
 // the merge, the combine's share) stay a small part of its time (batch 1, 4k: 16 splits 14.1 us per call, 32
@@ -85,11 +90,8 @@ KvcacheResult run_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
   const at::Tensor q_dense = reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 ? q.contiguous() : q.clone();
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor lse = at::empty({batch, heads_q, seqlen_q}, q.options().dtype(at::kFloat));
-  const auto ints = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
-  };
-  const std::optional<at::Tensor> seqlens_i = ints(cache_seqlens), leftpad_i = ints(cache_leftpad),
-                                  rows_i = ints(cache_batch_idx), table_i = ints(block_table);
+  const std::optional<at::Tensor> seqlens_i = int32_contiguous(cache_seqlens), leftpad_i = int32_contiguous(cache_leftpad),
+                                  rows_i = int32_contiguous(cache_batch_idx), table_i = int32_contiguous(block_table);
   DecodeParams p;
   p.q = q_dense.data_ptr();
   p.k_cache = k_cache.data_ptr();
@@ -173,25 +175,60 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
                       0};
   };
 
-  // Rotary positions: the new keys at cache_seqlens[b] + i; the queries at cache_seqlens[b] + i when causal or
-  // windowed, else all at cache_seqlens[b] (absolute cache positions, as on the CPU).
+  // The append (and rotary) in one kernel: the new keys at cache_seqlens[b] + i; with rotary, the queries at
+  // cache_seqlens[b] + i when causal or windowed, else all at cache_seqlens[b] (absolute cache positions, as on the
+  // CPU).
   at::Tensor q_used = q;
   if ((rotary_cos.has_value() || seqlen_new > 0) && batch > 0) {
-    const at::Tensor seqlens = seqlens_of();
-    const at::Tensor new_positions = seqlens.unsqueeze(1) + at::arange(seqlen_new, longs);  // (batch, seqlen_new)
-    at::Tensor k_new = k.has_value() ? *k : at::Tensor(), v_new = v.has_value() ? *v : at::Tensor();
-    if (rotary_cos.has_value()) {
-      const bool local = causal || window_left >= 0 || window_right >= 0;
-      const at::Tensor q_offsets = local ? at::arange(seqlen_q, longs) : at::zeros({seqlen_q}, longs);
-      q_used = rotate(q, *rotary_cos, *rotary_sin, seqlens.unsqueeze(1) + q_offsets, rotary_interleaved);
-      if (seqlen_new > 0) k_new = rotate(k_new, *rotary_cos, *rotary_sin, new_positions, rotary_interleaved);
-    }
+    const std::optional<at::Tensor> seqlens_i = int32_contiguous(cache_seqlens),
+                                    rows_i = int32_contiguous(cache_batch_idx), table_i = int32_contiguous(block_table);
+    KvAppendParams p;
+    const auto copy_strides = [](const at::Tensor& t, int64_t* strides) {
+      for (int d = 0; d < 4; ++d) strides[d] = t.stride(d);
+    };
     if (seqlen_new > 0) {
-      const at::Tensor sequence_of_row = at::arange(batch, longs).unsqueeze(1).expand_as(new_positions);
-      const auto [first, second] = locate(storage_of(), sequence_of_row, new_positions);
-      k_cache.index_put_({first, second}, k_new);
-      v_cache.index_put_({first, second}, v_new);
+      p.k_new = k->data_ptr();
+      p.v_new = v->data_ptr();
+      copy_strides(*k, p.k_new_strides);
+      copy_strides(*v, p.v_new_strides);
     }
+    p.k_cache = k_cache.data_ptr();
+    p.v_cache = v_cache.data_ptr();
+    copy_strides(k_cache, p.k_cache_strides);
+    copy_strides(v_cache, p.v_cache_strides);
+    p.cache_rows = k_cache.size(0);
+    if (table_i.has_value()) {
+      p.block_table = table_i->data_ptr<int32_t>();
+      p.block_table_stride = table_i->stride(0);
+      p.page_size = static_cast<int>(page_size);
+    }
+    if (rows_i.has_value()) p.cache_batch_idx = rows_i->data_ptr<int32_t>();
+    if (seqlens_i.has_value()) p.seqlens = seqlens_i->data_ptr<int32_t>();
+    p.capacity = capacity;
+    p.batch = static_cast<int>(batch);
+    p.seqlen_new = static_cast<int>(seqlen_new);
+    p.heads_kv = static_cast<int>(k_cache.size(2));
+    p.head_dim = static_cast<int>(head_dim);
+    at::Tensor cos, sin;
+    if (rotary_cos.has_value()) {
+      cos = rotary_cos->contiguous();
+      sin = rotary_sin->contiguous();
+      p.cos = cos.data_ptr();
+      p.sin = sin.data_ptr();
+      p.seqlen_ro = cos.size(0);
+      p.rotary_half = static_cast<int>(cos.size(1));
+      p.interleaved = rotary_interleaved;
+      if (seqlen_q > 0) {
+        q_used = at::empty(q.sizes(), q.options());
+        p.q = q.data_ptr();
+        copy_strides(q, p.q_strides);
+        p.q_out = q_used.data_ptr();
+        p.seqlen_q = static_cast<int>(seqlen_q);
+        p.heads_q = static_cast<int>(heads_q);
+        p.q_positions_advance = causal || window_left >= 0 || window_right >= 0;
+      }
+    }
+    run_kv_append(p, q.scalar_type() == at::kBFloat16, c10::cuda::getCurrentCUDAStream().stream());
   }
 
   if (batch > 0 && seqlen_q > 0 && decode_applies(k_cache, v_cache) &&
@@ -212,15 +249,13 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
             lse.view({heads_q, batch, seqlen_q}).permute({1, 0, 2}).contiguous()};
   };
   // num_splits: how a decode kernel would split the keys; the forward's result does not depend on it.
-  // A dense cache is read in place where the sm90 forward takes the call; pages are gathered into packed rows
-  // (read in place through the block table by the forward's loading warps, they ran at 0.36x (page 16) to
-  // 0.81-0.91x (page 256) of the dense forward, no better than the gather: docs/design.md).
-  if (!paged) {
-    const auto int32 = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
-      if (!t.has_value()) return std::nullopt;
-      return t->to(at::kInt).contiguous();
-    };
-    const CachedKeys keys{lengths.to(at::kInt), int32(cache_leftpad), int32(cache_batch_idx)};
+  // The sm90 forward reads a dense cache in place, and pages without cache_leftpad whose size is a multiple of its
+  // key block (one TMA box per block, its page from the block table); otherwise the keys are gathered into
+  // packed rows (pages of 16 read in place, eight boxes a block, ran at 0.36x of the dense forward:
+  // docs/design.md).
+  if (!paged || !cache_leftpad.has_value()) {
+    const CachedKeys keys{lengths.to(at::kInt), int32_contiguous(cache_leftpad), int32_contiguous(cache_batch_idx),
+                          int32_contiguous(block_table)};
     const VarlenArgs varlen_q{cu_seqlens_q, std::nullopt, seqlen_q, capacity};
     if (auto fwd = attention_fwd_keys_in_cache_cuda(q_packed, k_cache, v_cache, options, varlen_q, keys)) {
       return result(std::get<0>(*fwd), std::get<1>(*fwd));

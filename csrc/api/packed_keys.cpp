@@ -84,20 +84,28 @@ int64_t varlen_keys_bound(const at::Tensor& k, const VarlenArgs& varlen, const P
   return paged.block_table.has_value() ? rows : std::min(rows, k.size(0));
 }
 
-PackedKeys pack_varlen_keys(const at::Tensor& k, const at::Tensor& v, const VarlenArgs& varlen,
-                            const PagedArgs& paged, bool exact) {
+// Each sequence's key count (int64): seqused_k[b], or its span of cu_seqlens_k; `clamped` as pack_varlen_keys
+// describes.
+static at::Tensor key_counts(const at::Tensor& k, const VarlenArgs& varlen, const PagedArgs& paged, bool clamped) {
   const int64_t batch = varlen.cu_seqlens_k->size(0) - 1;
   const at::Tensor cu = varlen.cu_seqlens_k->to(at::kLong);
   const at::Tensor spans = cu.narrow(0, 1, batch) - cu.narrow(0, 0, batch);
   at::Tensor length = paged.seqused_k.has_value() ? paged.seqused_k->to(at::kLong) : spans;
-  int64_t rows;
-  if (exact) {
-    rows = length.sum().item<int64_t>();
-  } else {
-    if (!paged.block_table.has_value() && paged.seqused_k.has_value()) length = at::minimum(length, spans);
-    length = at::clamp(length, 0, keys_per_sequence_bound(k, varlen, paged));
-    rows = varlen_keys_bound(k, varlen, paged);
-  }
+  if (!clamped) return length;
+  if (!paged.block_table.has_value() && paged.seqused_k.has_value()) length = at::minimum(length, spans);
+  return at::clamp(length, 0, keys_per_sequence_bound(k, varlen, paged));
+}
+
+at::Tensor varlen_key_counts(const at::Tensor& k, const VarlenArgs& varlen, const PagedArgs& paged) {
+  return key_counts(k, varlen, paged, /*clamped=*/true).to(at::kInt);
+}
+
+PackedKeys pack_varlen_keys(const at::Tensor& k, const at::Tensor& v, const VarlenArgs& varlen,
+                            const PagedArgs& paged, bool exact) {
+  const int64_t batch = varlen.cu_seqlens_k->size(0) - 1;
+  const at::Tensor cu = varlen.cu_seqlens_k->to(at::kLong);
+  const at::Tensor length = key_counts(k, varlen, paged, /*clamped=*/!exact);
+  const int64_t rows = exact ? length.sum().item<int64_t>() : varlen_keys_bound(k, varlen, paged);
   if (paged.block_table.has_value()) {
     const KeyStorage storage{paged.block_table->to(at::kLong), at::Tensor(), k.size(1)};
     return pack_keys(k, v, storage, at::zeros({batch}, cu.options()), length, rows);

@@ -50,6 +50,10 @@ PackedKeys pack_keys(const at::Tensor& k_storage, const at::Tensor& v_storage, c
 PackedKeys pack_varlen_keys(const at::Tensor& k, const at::Tensor& v, const VarlenArgs& varlen,
                             const PagedArgs& paged, bool exact);
 
+// Each sequence's key count as pack_varlen_keys(exact=false) takes it (clamped on the device), int32: for
+// a forward that reads the pages in place instead.
+at::Tensor varlen_key_counts(const at::Tensor& k, const VarlenArgs& varlen, const PagedArgs& paged);
+
 // The rows of the packed batch of pack_varlen_keys(exact=false): batch * min(max_seqlen_k, max_blocks *
 // page_size) with block_table, min(total_k, batch * max_seqlen_k) without.
 int64_t varlen_keys_bound(const at::Tensor& k, const VarlenArgs& varlen, const PagedArgs& paged);

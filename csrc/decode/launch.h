@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "../kernel_configs.h"
+#include "append_params.h"
 #include "decode_params.h"
 
 namespace flash_ext::decode {
@@ -44,5 +45,9 @@ constexpr int resident_ctas_per_sm(int head_dim, int row_tiles) {
 // Writes params.out and params.lse (through out_partial / lse_partial when num_splits > 1).
 template <Elem16 kElem, int kHeadDim>
 void run_attention_decode(const DecodeParams& params, cudaStream_t stream);
+
+// Writes the new keys and values of attention_with_kvcache into the caches (append_kernel.cuh).
+template <Elem16 kElem>
+void run_kv_append(const KvAppendParams& params, cudaStream_t stream);
 
 }  // namespace flash_ext::decode

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) forward kernel: TMA loads and asynchronous warpgroup MMA (wgmma), one CTA per tile. It takes
-// the calls with softcap, ALiBi, dropout or a variable-length batch (KV-cache prefills among them); the others
-// take the persistent, warp-specialised fwd_persistent_kernel.cuh, which shares its building blocks.
+// the calls with dropout (its one instantiation); the others take the persistent, warp-specialised
+// fwd_persistent_kernel.cuh, which shares its building blocks.
 //
 // Why a second forward: on mma.sync the tensor pipe and the softmax's MUFU work (exp2, softcap's tanh)
 // run one after the other (softcap, one MUFU op per score, costs the sm80 forward +16% time: H200, hd128,
@@ -75,12 +75,6 @@ struct FwdSm90Tile {
   // 2.13 ms, ALiBi 2.24 -> 2.14 ms; hd64 -2.4 / -3.5%; hd256 -22 / -14% (with 2 buffers block i + 1's K
   // goes into block i - 1's buffer, free only once that block's P V completed: every S waits for its load).
   static constexpr bool kPipelined = kHeadDim == 128;
-  // Keys read in place from a KV cache (params.keys_in_cache()) at head_dim 128 and 256 only: at hd64 the
-  // cache's few instructions (its span, its rows' TMA coordinate, zeroing stale V rows) made ptxas schedule
-  // the main loop differently and the training forward 2-3% slower (H200, bf16, 16k tokens, fwd 2k / 8k, causal
-  // or not, two interleaved rounds beside the build without them, 2026-12-02), also with the zeroing moved
-  // into a function of its own (-4% at 2k). hd64 prefills gather their keys (api/ops_kvcache_cuda.cpp).
-  static constexpr bool kReadsCache = kHeadDim != 64;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kColumnRegions = kHeadDim / 64;       // 64 16-bit columns = one 128-byte row
@@ -158,18 +152,14 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int kv_head = head / params.heads_per_kv();
-  // (Re-read from the parameters at each use: held in a register, it changed the hd128 / hd256 schedules.)
-  auto keys_in_cache = [&] { return Tile::kReadsCache && params.keys_in_cache(); };
   const SequenceSpan q_span = params.query_span(batch);
-  const SequenceSpan k_span = keys_in_cache() ? params.cached_key_span(batch) : params.key_span(batch);
+  const SequenceSpan k_span = params.key_span(batch);
   const int len_q = static_cast<int>(q_span.length);
   const int len_k = static_cast<int>(k_span.length);
   const int first_row = m_block * kBlockM;
   if (first_row >= len_q) return;  // variable-length batch: past this sequence's end
-  // TMA coordinates: rows of the (packed) tensor, batch 0 in a variable-length batch; keys in a cache: rows
-  // of the sequence's cache row.
+  // TMA coordinates: rows of the (packed) tensor, batch 0 in a variable-length batch.
   const int tma_batch = params.is_varlen() ? 0 : batch;
-  const int k_tma_batch = !keys_in_cache() ? tma_batch : params.key_rows != nullptr ? params.key_rows[batch] : batch;
   const int q_row0 = static_cast<int>(q_span.begin) + first_row;
   const int k_row0 = static_cast<int>(k_span.begin);
   const int valid_rows = min(kBlockM, len_q - first_row);
@@ -207,11 +197,11 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
     const int key_row = k_row0 + (num_key_blocks - 1 - i) * kBlockN;
     mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
     for (int c = 0; c < Tile::kColumnRegions; ++c) {
-      tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, k_tma_batch);
+      tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head, tma_batch);
     }
     mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
     for (int c = 0; c < Tile::kColumnRegions; ++c) {
-      tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, k_tma_batch);
+      tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head, tma_batch);
     }
   };
   // With one CTA per SM the hardware starts CTAs in launch order as SMs free up, so the CTA launched
@@ -279,25 +269,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   OnlineSoftmax<1> softmax;
 
   mbarrier_wait(bar_q_full, 0);
-  // Keys in a cache: the rows of the first visited block past the sequence's keys hold whatever the cache
-  // does there (stale or unwritten entries, NaN included), and a masked score's zero P times a NaN in V would
-  // still be NaN. They are zeroed in V before any P V reads it (K's are masked scores already).
-  if (keys_in_cache()) {
-    const int stale_rows = num_key_blocks * kBlockN - len_k;
-    if (stale_rows > 0) {
-      mbarrier_wait(bar_v_full(0), 0);
-      constexpr int kChunksPerRegionRow = 128 / 16;
-      const int chunks_per_region = stale_rows * kChunksPerRegionRow;
-      for (int idx = threadIdx.x; idx < Tile::kColumnRegions * chunks_per_region; idx += Tile::kThreads) {
-        const int region = idx / chunks_per_region;
-        const int row = kBlockN - stale_rows + idx % chunks_per_region / kChunksPerRegionRow;
-        const uint32_t offset = smem_v(0) - smem_base + region * kBlockN * 128 + row * 128 + idx % kChunksPerRegionRow * 16;
-        *reinterpret_cast<uint4*>(smem + offset) = make_uint4(0, 0, 0, 0);
-      }
-      fence_async_shared();  // the zeros, written by the generic proxy, are read by wgmma (the async proxy)
-      __syncthreads();
-    }
-  }
 
   if constexpr (kPipelined) {
     // Operand descriptors: a tile's base descriptor, formed per key block (opaque_u64, as in issue_qk_gemm),

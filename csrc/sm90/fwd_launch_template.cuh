@@ -1,5 +1,6 @@
 // Launch of the sm90 forward kernels for one (dtype, head dim): whether they can take a call, their TMA
-// descriptors, and the choice between the one-tile kernel and the persistent one.
+// descriptors, and which instantiation runs it: the persistent kernel (plain or score modifiers, keys in
+// packed rows or read in place from a KV cache) for every call without dropout, the one-tile kernel with dropout.
 // Included by the generated translation units in csrc/instantiations/.
 #pragma once
 
@@ -12,11 +13,16 @@
 
 namespace flash_ext::sm90 {
 
-// The pipelined forward kernel's instantiations.
+// The one-tile kernel's instantiation: dropout, with the score modifiers compiled in.
 template <typename Element, int kHeadDim>
-using FwdKernels = Sm90Variants<attention_fwd_sm90_kernel<Element, kHeadDim, false, false>,
-                                attention_fwd_sm90_kernel<Element, kHeadDim, true, false>,
-                                attention_fwd_sm90_kernel<Element, kHeadDim, true, true>>;
+constexpr auto kFwdDropoutKernel = attention_fwd_sm90_kernel<Element, kHeadDim, true, true>;
+
+// The persistent kernel's instantiation for a call without dropout.
+template <typename Element, int kHeadDim, bool kKeysInCache>
+constexpr auto persistent_kernel_of(bool score_mods) {
+  return score_mods ? attention_fwd_sm90_persistent_kernel<Element, kHeadDim, true, kKeysInCache>
+                    : attention_fwd_sm90_persistent_kernel<Element, kHeadDim, false, kKeysInCache>;
+}
 
 // The tensors as TMA sees them: (batch, rows, heads, head_dim); a variable-length batch is one packed batch
 // entry of total rows; keys in a cache are its (rows, positions, heads, head_dim).
@@ -41,10 +47,28 @@ inline bool cache_layout_readable(const FwdParams& params) {
          params.cache_seqlen <= INT32_MAX;
 }
 
+// The persistent kernel's grid of tiles (a variable-length batch: seqlen_q is its longest sequence): it needs a
+// per-call tile counter and counts tiles in int32 (2^31 tiles would be a q of terabytes).
+inline int64_t fwd_num_tiles(const FwdParams& params, int block_m) {
+  return (params.seqlen_q + block_m - 1) / block_m * params.heads_q * params.batch;
+}
+
+// Whether this build has the sm_90a code of these kernels (all of one translation unit: one answers for all).
+template <typename Element, int kHeadDim>
+bool fwd_has_code() {
+  return has_sm90_code<attention_fwd_sm90_persistent_kernel<Element, kHeadDim, false, false>>();
+}
+
 template <Elem16 kElem, int kHeadDim>
 bool fwd_applies(const FwdParams& params) {
-  if (!device_is_sm90() || !FwdKernels<ElementOf<kElem>, kHeadDim>::has_code(params)) return false;
-  if (params.keys_in_cache() && (!params.is_varlen() || !FwdSm90Tile<kHeadDim>::kReadsCache)) return false;
+  if (!device_is_sm90() || !fwd_has_code<ElementOf<kElem>, kHeadDim>()) return false;
+  if (!params.has_dropout() && (params.tile_counter == nullptr ||
+                                fwd_num_tiles(params, FwdSm90PersistentTile<kHeadDim>::kBlockM) > INT32_MAX)) {
+    return false;
+  }
+  // Keys in a cache: the persistent kernel reads them (a variable-length q); a page holds whole key blocks.
+  if (params.keys_in_cache() && (!params.is_varlen() || params.has_dropout())) return false;
+  if (params.key_pages != nullptr && params.cache_seqlen % FwdSm90PersistentTile<kHeadDim>::kBlockN != 0) return false;
   if (!cache_layout_readable(params)) return false;
   const FwdTmaShape shape(params, kHeadDim);
   return shape.rows_q > 0 && shape.rows_k > 0 && tma_compatible(params.q, shape.q) &&
@@ -70,25 +94,23 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
 
   check_grid_limits(params, "forward");
   const int64_t num_m_blocks = (params.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
-  // No dropout or keys in a cache: the persistent kernel, one CTA per SM.
-  {
+  // Without dropout: the persistent kernel, one CTA per SM.
+  if (!params.has_dropout()) {
     using PersistentTile = FwdSm90PersistentTile<kHeadDim>;
     static_assert(PersistentTile::kBlockM == Tile::kBlockM && PersistentTile::kBlockN == Tile::kBlockN,
                   "both kernels read the same TMA boxes");
-    // The grid of tiles (a variable-length batch: seqlen_q is its longest sequence); the kernel counts them in int32.
-    const int64_t num_tiles = num_m_blocks * params.heads_q * params.batch;
-    if (!params.keys_in_cache() && !params.has_dropout() && params.tile_counter != nullptr && num_tiles <= INT32_MAX) {
-      const auto persistent = params.has_score_mods() ? attention_fwd_sm90_persistent_kernel<Element, kHeadDim, true>
-                                                      : attention_fwd_sm90_persistent_kernel<Element, kHeadDim, false>;
-      const int num_sms = current_device_info().num_sms;
-      set_smem_limit(persistent, PersistentTile::kSmemBytes, "the sm90 persistent forward kernel");
-      const unsigned grid = static_cast<unsigned>(num_tiles < num_sms ? num_tiles : num_sms);
-      persistent<<<grid, PersistentTile::kThreads, PersistentTile::kSmemBytes, stream>>>(params, maps);
-      throw_on_cuda_error(cudaGetLastError(), "launching the sm90 persistent forward kernel");
-      return true;
-    }
+    const int64_t num_tiles = fwd_num_tiles(params, Tile::kBlockM);
+    const auto persistent = params.keys_in_cache()
+                                ? persistent_kernel_of<Element, kHeadDim, true>(params.has_score_mods())
+                                : persistent_kernel_of<Element, kHeadDim, false>(params.has_score_mods());
+    const int num_sms = current_device_info().num_sms;
+    set_smem_limit(persistent, PersistentTile::kSmemBytes, "the sm90 persistent forward kernel");
+    const unsigned grid = static_cast<unsigned>(num_tiles < num_sms ? num_tiles : num_sms);
+    persistent<<<grid, PersistentTile::kThreads, PersistentTile::kSmemBytes, stream>>>(params, maps);
+    throw_on_cuda_error(cudaGetLastError(), "launching the sm90 persistent forward kernel");
+    return true;
   }
-  const auto kernel = FwdKernels<Element, kHeadDim>::for_call(params);
+  const auto kernel = kFwdDropoutKernel<Element, kHeadDim>;
   set_smem_limit(kernel, Tile::kSmemBytes, "the sm90 forward kernel");
   const dim3 grid(static_cast<unsigned>(num_m_blocks), params.heads_q, params.batch);
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(params, maps);

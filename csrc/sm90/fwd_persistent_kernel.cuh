@@ -1,5 +1,4 @@
-// Hopper (sm_90a) forward without dropout or keys in a cache (head dims 64, 128, 256): persistent and
-// warp-specialised.
+// Hopper (sm_90a) forward without dropout (head dims 64, 128, 256): persistent and warp-specialised.
 //
 // Why a second sm90 forward: fwd_kernel.cuh's CTA (8 warps, no producer, one tile) spends part of each tile
 // outside its loop (barrier set-up and TMA descriptor fetch, Q's arrival, block 0's unoverlapped S, the
@@ -15,7 +14,7 @@
 //         0.478-0.483 -> 0.469-0.470 ms
 //   hd256 full 558-562 / 600-606 / 596-602 -> 654-667 / 714-716 / 722-729, causal 472-476 / 582-616 /
 //         633-642 -> 539-542 / 616-641 / 702-724
-// fwd_kernel.cuh keeps dropout and KV-cache prefills (keys read in place from a cache).
+// fwd_kernel.cuh keeps dropout.
 //
 // Tiles: the first gridDim.x by blockIdx.x, then from params.tile_counter, in FwdWalkTile's order (each
 // head's row blocks from the last: under a causal mask the longest walks start first, and the CTAs running
@@ -42,8 +41,9 @@
 // hd256 64 + 2 x 32 + 2 x 32 = 192 KB.
 // O stored by TMA or unstaged is slower (docs/design.md, Tried and not kept).
 //
-// Launches it takes (fwd_launch_template.cuh): dense or variable-length batches without dropout or keys in a
-// cache; softcap and ALiBi in the kExtras instantiation.
+// Launches it takes (fwd_launch_template.cuh): dense or variable-length batches without dropout, also with
+// keys read in place from a KV cache (params.keys_in_cache(): cache rows, or pages through a block table);
+// softcap and ALiBi in the kExtras instantiation.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only)
@@ -86,9 +86,9 @@ struct FwdSm90PersistentTile {
   // Tiles go from the producer to the consumers through a ring of slots of its own (an int each), freed as soon
   // as the consumers read them; two let the producer announce a tile while the consumers read the one before.
   static constexpr int kTileSlots = 2;
-  // mbarriers: q_full[Q], k_full[S], k_empty[S], v_full[S], v_empty[S]; then the tile slots.
+  // mbarriers: q_full[Q], k_full[S], k_empty[S], v_full[S], v_empty[S], v_stale; then the tile slots.
   static constexpr int kBarrierOffset = kVOffset + kStages * kKvBytes;
-  static constexpr int kTileSlotOffset = kBarrierOffset + 8 * (kQBuffers + 4 * kStages);
+  static constexpr int kTileSlotOffset = kBarrierOffset + 8 * (kQBuffers + 4 * kStages + 1);
   static constexpr int kSmemBytes = kTileSlotOffset + 4 * kTileSlots + 1024;  // +1024: base alignment
   static_assert(kSmemBytes <= 227 * 1024, "an sm90 CTA has at most 227 KB of shared memory");
 };
@@ -97,18 +97,19 @@ struct FwdSm90PersistentTile {
 // batch): row block fastest, from the last (a causal mask's longest walk) to the first, then head, then batch.
 // CTAs that run together share a head's K / V in L2, and taken in this order from the counter the longest walks
 // start first. Only tiles with rows of their sequence are constructed (FwdTileNumbering).
-template <typename Tile>
+template <typename Tile, bool kKeysInCache>
 struct FwdWalkTile {
   int m_block, head, batch;
   int len_q, len_k;                     // the sequence's
-  int q_row0, k_row0;                   // where its rows start in the (packed) tensors; dense: 0
+  int q_row0, k_row0;                   // where its rows start in the (packed) tensors; dense: 0; cache: position
   int first_key_block, num_key_blocks;  // visited from num_key_blocks - 1 down to first_key_block
 
   __device__ __forceinline__ FwdWalkTile(int tile, int num_m_blocks, const FwdParams& params) {
     m_block = num_m_blocks - 1 - tile % num_m_blocks;
     head = tile / num_m_blocks % params.heads_q;
     batch = tile / num_m_blocks / params.heads_q;
-    const SequenceSpan q_span = params.query_span(batch), k_span = params.key_span(batch);
+    const SequenceSpan q_span = params.query_span(batch);
+    const SequenceSpan k_span = kKeysInCache ? params.cached_key_span(batch) : params.key_span(batch);
     len_q = static_cast<int>(q_span.length);
     len_k = static_cast<int>(k_span.length);
     q_row0 = static_cast<int>(q_span.begin);
@@ -122,9 +123,32 @@ struct FwdWalkTile {
   __device__ __forceinline__ int first_row() const { return m_block * Tile::kBlockM; }
   __device__ __forceinline__ int valid_rows() const { return min(Tile::kBlockM, len_q - first_row()); }
   __device__ __forceinline__ BandMask band_mask(const FwdParams& params) const { return BandMask(params, len_q, len_k); }
-  // The batch coordinate of TMA boxes: a variable-length batch is one packed batch entry.
+  // The batch coordinate of Q's TMA boxes: a variable-length batch is one packed batch entry.
   __device__ __forceinline__ int tma_batch(const FwdParams& params) const { return params.is_varlen() ? 0 : batch; }
+  // Keys in a cache: rows of the first visited block (the walk's last) past the sequence's keys. They hold
+  // whatever the cache does there (stale or unwritten entries, NaN included), and a masked score's zero P times
+  // a NaN in V would still be NaN: V's are zeroed before any P V reads them (K's are masked scores already).
+  __device__ __forceinline__ int stale_rows(const FwdParams& params) const {
+    return kKeysInCache ? max(0, num_key_blocks * Tile::kBlockN - len_k) : 0;
+  }
 };
+
+// The (position, batch) TMA coordinates of key block `key_block` of tile t's sequence: rows of the (packed) k / v,
+// or of its cache row, or, paged, of the page that holds it (Tile::kBlockN divides the page size, launch template).
+// `page`: the block-table entry of the block, where paged.
+template <typename Tile, bool kKeysInCache>
+__device__ __forceinline__ int2 key_block_coordinates(const FwdParams& params,
+                                                      const FwdWalkTile<Tile, kKeysInCache>& t, int key_block,
+                                                      int page) {
+  if constexpr (kKeysInCache) {
+    if (params.key_pages != nullptr) {
+      return make_int2(key_block * Tile::kBlockN % static_cast<int>(params.cache_seqlen), page);
+    }
+    return make_int2(t.k_row0 + key_block * Tile::kBlockN, params.key_rows != nullptr ? params.key_rows[t.batch] : t.batch);
+  } else {
+    return make_int2(t.k_row0 + key_block * Tile::kBlockN, t.tma_batch(params));
+  }
+}
 
 // Which grid tile the producer's n-th tile is. Dense batches: tile n itself. Variable-length batches: the grid
 // has num_m_blocks row blocks for every sequence, and those past a shorter sequence's end have no rows; the
@@ -172,14 +196,16 @@ struct FwdTileNumbering {
   }
 };
 
-// kExtras: softcap and ALiBi (common/score_mod.cuh), as in fwd_kernel.cuh.
-template <typename Element, int kHeadDim_, bool kExtras>
+// kExtras: softcap and ALiBi (common/score_mod.cuh), as in fwd_kernel.cuh. kKeysInCache: keys read in place
+// from a KV cache (params.keys_in_cache()); an instantiation of its own, as the cache's coordinates and stale rows
+// cost the training forward 1-3% at hd64 / hd256 when compiled into its producer and tile set-up.
+template <typename Element, int kHeadDim_, bool kExtras, bool kKeysInCache>
 __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     attention_fwd_sm90_persistent_kernel(const __grid_constant__ FwdParams params,
                                          const __grid_constant__ FwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tile = FwdSm90PersistentTile<kHeadDim_>;
-  using WalkTile = FwdWalkTile<Tile>;
+  using WalkTile = FwdWalkTile<Tile, kKeysInCache>;
   constexpr int kQBuffers = Tile::kQBuffers;
   constexpr int kBlockM = Tile::kBlockM;
   constexpr int kBlockN = Tile::kBlockN;
@@ -201,6 +227,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
   auto bar_k_empty = [&](int stage) { return bars + 8 * (kQBuffers + kStages + stage); };
   auto bar_v_full = [&](int stage) { return bars + 8 * (kQBuffers + 2 * kStages + stage); };
   auto bar_v_empty = [&](int stage) { return bars + 8 * (kQBuffers + 3 * kStages + stage); };
+  const uint32_t bar_v_stale = bars + 8 * (kQBuffers + 4 * kStages);  // a V block with stale rows, to the producer
   // Named barriers between the producer warp and the 8 consumer warps: per tile slot, written (the producer
   // arrives, the consumers wait) and read (the consumers arrive right after reading it, the producer waits
   // before writing it again); per Q buffer, free again (the consumers arrive once O left it, the producer waits
@@ -226,6 +253,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
       mbarrier_init(bar_v_full(s), 1);
       mbarrier_init(bar_v_empty(s), Tile::kConsumerWarps);
     }
+    if constexpr (kKeysInCache) mbarrier_init(bar_v_stale, 1);
     mbarrier_init_fence();
   }
   __syncthreads();
@@ -247,7 +275,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     // An empty barrier's first wait (parity 1 on a fresh barrier) passes: every K / V buffer starts free.
     // Each tile, and at the end num_tiles, goes to the consumers in the tile slot of its Q buffer; q_full then
     // completes with its Q (a tile without keys: at the arrival alone, no Q).
-    int block_count = 0, q_count = 0;
+    int block_count = 0, q_count = 0, stale_count = 0;
     FwdTileNumbering<Tile> numbering;
     for (int n = blockIdx.x;; ++q_count) {
       const int tile = numbering.grid_tile(n, params, num_m_blocks, num_tiles);
@@ -263,7 +291,6 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
       const WalkTile t(tile, num_m_blocks, params);
       const bool has_keys = t.num_blocks() > 0;
       const int kv_head = t.head / params.heads_per_kv();
-      const int tma_batch = t.tma_batch(params);
       if (leader) {
         // The consumers read and wrote the buffer (O staged and copied out) through the generic proxy; TMA (the
         // async proxy) overwrites it: a proxy fence after the barrier orders the two.
@@ -271,28 +298,59 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
         mbarrier_arrive_expect_bytes(bar_q_full(q_buffer), has_keys ? Tile::kQBytes : 0);
         for (int c = 0; has_keys && c < Tile::kColumnRegions; ++c) {
           tma_load_4d(smem_q(q_buffer) + c * kBlockM * 128, &maps.q, bar_q_full(q_buffer), c * 64,
-                      t.q_row0 + t.first_row(), t.head, tma_batch);
+                      t.q_row0 + t.first_row(), t.head, t.tma_batch(params));
         }
       }
+      // Paged: lane l holds the block-table entry of the walk's block 32 k + l while blocks 32 k ... are
+      // loaded, and the entries of the next 32 are read meanwhile (one table read on the path per tile).
+      auto page_entries = [&](int first) {
+        const int i = first + lane;
+        return kKeysInCache && params.key_pages != nullptr && i < t.num_blocks()
+                   ? params.key_pages[t.batch * params.key_pages_stride +
+                                      (t.num_key_blocks - 1 - i) * kBlockN / params.cache_seqlen]
+                   : 0;
+      };
+      int pages = page_entries(0), next_pages = page_entries(32);
+      const int stale_rows = t.stale_rows(params);
       for (int i = 0; i < t.num_blocks(); ++i, ++block_count) {
         const int stage = block_count % kStages;
         const uint32_t free_parity = ((block_count / kStages) & 1) ^ 1;
-        const int key_row = t.k_row0 + (t.num_key_blocks - 1 - i) * kBlockN;
+        if (kKeysInCache && i % 32 == 0 && i > 0) {
+          pages = next_pages;
+          next_pages = page_entries(i + 32);
+        }
+        const int page = kKeysInCache ? __shfl_sync(0xffffffffu, pages, i % 32) : 0;
+        const int2 key_at = key_block_coordinates(params, t, t.num_key_blocks - 1 - i, page);
         mbarrier_wait(bar_k_empty(stage), free_parity);
         if (leader) {
           mbarrier_arrive_expect_bytes(bar_k_full(stage), Tile::kKvBytes);
           for (int c = 0; c < Tile::kColumnRegions; ++c) {
-            tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_row, kv_head,
-                        tma_batch);
+            tma_load_4d(smem_k(stage) + c * kBlockN * 128, &maps.k, bar_k_full(stage), c * 64, key_at.x, kv_head,
+                        key_at.y);
           }
         }
         mbarrier_wait(bar_v_empty(stage), free_parity);
+        // A block with stale rows lands at bar_v_stale; the warp zeroes those rows, then completes v_full.
+        const bool stale = i == 0 && stale_rows > 0;
+        const uint32_t v_bar = stale ? bar_v_stale : bar_v_full(stage);
         if (leader) {
-          mbarrier_arrive_expect_bytes(bar_v_full(stage), Tile::kKvBytes);
+          mbarrier_arrive_expect_bytes(v_bar, Tile::kKvBytes);
           for (int c = 0; c < Tile::kColumnRegions; ++c) {
-            tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, bar_v_full(stage), c * 64, key_row, kv_head,
-                        tma_batch);
+            tma_load_4d(smem_v(stage) + c * kBlockN * 128, &maps.v, v_bar, c * 64, key_at.x, kv_head, key_at.y);
           }
+        }
+        if (stale) {
+          mbarrier_wait(bar_v_stale, stale_count++ & 1);
+          const int chunks_per_region = stale_rows * 8;  // 16-byte chunks of the stale rows, in one 64-column region
+          for (int idx = lane; idx < Tile::kColumnRegions * chunks_per_region; idx += 32) {
+            const int region = idx / chunks_per_region;
+            const int row = kBlockN - stale_rows + idx % chunks_per_region / 8;
+            *reinterpret_cast<uint4*>(smem + Tile::kVOffset + stage * Tile::kKvBytes + region * kBlockN * 128 + row * 128 +
+                                      idx % 8 * 16) = make_uint4(0, 0, 0, 0);
+          }
+          fence_async_shared();  // the zeros, written by the generic proxy, are read by wgmma (the async proxy)
+          __syncwarp();
+          if (leader) mbarrier_arrive(bar_v_full(stage));
         }
       }
       // The next tile, once this one's loads are all issued (one taken earlier would wait here while other
