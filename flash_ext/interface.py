@@ -327,7 +327,8 @@ attention_varlen.__doc__ = """Attention over a batch of sequences of different l
     or v requiring grad, with grad mode on, is an error that names the argument. max_seqlen_k must be
     at least the longest seqlen_k used. The CPU path checks the index values (cu_seqlens, seqused_k,
     the used entries of block_table); on CUDA they are the caller's contract (a count past
-    max_seqlen_k or past the sequence's pages or span is cut there: wrong output, no error), and the
+    max_seqlen_k or past the sequence's pages or span is cut there: wrong output, no error). On an sm90
+    GPU, pages of a multiple of 128 keys (64 at hd256) are read in place by the forward; otherwise the
     call gathers the keys each sequence uses into a packed batch of batch * min(max_seqlen_k,
     max_blocks * page_size) rows (at most total_k without block_table) by device-side index ops (no
     host sync; CUDA-graph capturable), then runs the varlen kernels.
@@ -350,10 +351,13 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optio
                            return_lse: bool = False) -> Union[Tensor, _Lse]:
     """Attention of q over a KV cache, after appending new keys and values to it in place (inference).
 
-    CPU and CUDA. On CUDA: CUDA-graph capturable; head dims 64 / 128 / 256 run the split-KV decode kernel
-    (the cache read in place), other head dims gather the keys and run the varlen kernels; index values
-    (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) are not checked on CUDA: out-of-range values
-    are the caller's error, as cu_seqlens in attention_varlen (the CPU checks them). Forward only: inputs that require grad (with grad
+    CPU and CUDA. On CUDA: CUDA-graph capturable; one kernel appends k / v (and applies rotary); at head
+    dims 64 / 128 / 256 decode runs the split-KV decode kernel and prefill the sm90 forward, both reading the
+    cache in place (prefill: contiguous caches, and pages of a multiple of 128 keys, 64 at hd256, without
+    cache_leftpad); otherwise the keys are gathered for the varlen kernels. Index values (cache_seqlens,
+    cache_batch_idx, cache_leftpad, block_table) are not checked on CUDA: out-of-range values are the
+    caller's error, as cu_seqlens in attention_varlen (the CPU checks them); the append writes nowhere
+    outside the caches. Forward only: inputs that require grad (with grad
     mode on) are rejected. The semantics are those of flash-attn 2.8's flash_attn_with_kvcache.
 
     Args:
