@@ -78,14 +78,13 @@ std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_sp
 }
 
 // The attention step on the decode kernels: reads the caches in place (through the block table or the
-// cache rows), the index tensors as given (int32, made contiguous). follows_append: the append kernel ran just
-// before, and the decode kernel launches as its programmatic dependent (resident while the append finishes).
+// cache rows), the index tensors as given (int32, made contiguous).
 KvcacheResult run_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const std::optional<at::Tensor>& cache_seqlens,
                          const std::optional<at::Tensor>& cache_batch_idx,
                          const std::optional<at::Tensor>& cache_leftpad,
                          const std::optional<at::Tensor>& block_table, int64_t seqlen_new, int64_t capacity,
-                         const AttentionOptions& options, int64_t num_splits, bool follows_append) {
+                         const AttentionOptions& options, int64_t num_splits) {
   const int64_t batch = q.size(0), seqlen_q = q.size(1), heads_q = q.size(2), head_dim = q.size(3);
   // The kernel reads q in 16-byte pieces.
   const at::Tensor q_dense = reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 ? q.contiguous() : q.clone();
@@ -110,7 +109,6 @@ KvcacheResult run_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
   if (leftpad_i.has_value()) p.leftpad = leftpad_i->data_ptr<int32_t>();
   p.seqlen_new = static_cast<int>(seqlen_new);
   p.capacity = capacity;
-  p.follows_append = follows_append;
   p.batch = static_cast<int>(batch);
   p.seqlen_q = static_cast<int>(seqlen_q);
   p.heads_q = static_cast<int>(heads_q);
@@ -181,8 +179,7 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
   // cache_seqlens[b] + i when causal or windowed, else all at cache_seqlens[b] (absolute cache positions, as on the
   // CPU).
   at::Tensor q_used = q;
-  const bool appends = (rotary_cos.has_value() || seqlen_new > 0) && batch > 0;
-  if (appends) {
+  if ((rotary_cos.has_value() || seqlen_new > 0) && batch > 0) {
     const std::optional<at::Tensor> seqlens_i = int32_contiguous(cache_seqlens),
                                     rows_i = int32_contiguous(cache_batch_idx), table_i = int32_contiguous(block_table);
     KvAppendParams p;
@@ -237,7 +234,7 @@ KvcacheResult kvcache_fwd_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
   if (batch > 0 && seqlen_q > 0 && decode_applies(k_cache, v_cache) &&
       decode_takes(seqlen_q, heads_q / k_cache.size(2))) {
     return run_decode(q_used, k_cache, v_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                      seqlen_new, capacity, options, num_splits, appends);
+                      seqlen_new, capacity, options, num_splits);
   }
 
   const at::Tensor seqlens = seqlens_of();

@@ -13,7 +13,6 @@
 #include <type_traits>
 
 #include "../common/launch.cuh"
-#include "../common/ptx.cuh"
 #include "append_params.h"
 
 namespace flash_ext::decode {
@@ -63,9 +62,6 @@ constexpr int kAppendThreads = 256;
 
 template <typename Element>
 __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const KvAppendParams p) {
-  // The decode kernel, launched as a programmatic dependent, may become resident now; it waits for this grid
-  // before it reads q or the caches.
-  allow_dependent_launch();
   const int64_t key_elements = int64_t{p.batch} * p.seqlen_new * p.heads_kv * p.head_dim;
   const int64_t q_elements = p.q != nullptr ? int64_t{p.batch} * p.seqlen_q * p.heads_q * p.head_dim : 0;
   for (int64_t e = blockIdx.x * int64_t{kAppendThreads} + threadIdx.x; e < key_elements + q_elements;

@@ -118,9 +118,6 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
 
   // The combine kernel (a programmatic dependent) may launch now; it waits for this grid to finish.
   allow_dependent_launch();
-  // After an append (params.follows_append: launched as the append kernel's programmatic dependent), the new keys
-  // and the rotated q are complete and visible past this point; without one it returns at once.
-  wait_for_prerequisite_grid();
 
   const int split = blockIdx.x, b = blockIdx.z;
   const int kv_head = blockIdx.y / p.row_chunks, chunk = blockIdx.y % p.row_chunks;

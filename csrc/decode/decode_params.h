@@ -29,8 +29,6 @@ struct DecodeParams {
   int64_t alibi_batch_stride = 0;
   int window_left = -1, window_right = -1;  // -1: unbounded; causal: window_right = 0
 
-  bool follows_append = false;  // the append kernel ran just before (launch as its programmatic dependent)
-
   int num_splits = 1;
   int64_t keys_per_split = 0;  // a multiple of 32
   int row_chunks = 1;          // CTAs over the packed (query, head of the group) rows of one kv head

@@ -20,8 +20,7 @@ void run_attention_decode(const DecodeParams& params, cudaStream_t stream) {
     static_assert(resident_ctas_per_sm(kHeadDim, kRowTiles) >= 1, "a decode CTA's shared memory fits an SM");
     auto* kernel = &attention_decode_kernel<Element, kHeadDim, kRowTiles>;
     if (kSmemBytes > 48 * 1024) set_smem_limit(kernel, kSmemBytes, "the decode kernel");
-    launch_kernel(kernel, grid, dim3(kThreads), kSmemBytes, stream, params.follows_append,
-                  "launching the decode kernel", params);
+    launch_kernel(kernel, grid, dim3(kThreads), kSmemBytes, stream, false, "launching the decode kernel", params);
   };
   if (row_tiles(params.heads_q / params.heads_kv * params.seqlen_q) == 1) {
     launch(std::integral_constant<int, 1>{});
