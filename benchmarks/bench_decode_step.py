@@ -5,12 +5,16 @@ bench_decode.py's grid times the attention alone (no append); this one adds what
 
     python benchmarks/bench_decode_step.py [LABEL]
 """
+import os
 import sys
 
 import torch
 from triton.testing import do_bench
 
-import flash_ext
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+import flash_ext  # noqa: E402
 
 
 LABEL = sys.argv[1] if len(sys.argv) > 1 else "flash_ext"
