@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <type_traits>
 
 namespace flash_ext {
 
@@ -167,5 +168,14 @@ __device__ __forceinline__ void atomic_add_float4(float* address, float x, float
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+// Rounded to nearest, as torch's casts.
+template <typename Element>
+__device__ __forceinline__ Element from_float(float x) {
+  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
+    return __float2bfloat16_rn(x);
+  } else {
+    return __float2half_rn(x);
+  }
+}
 
 }  // namespace flash_ext

@@ -13,27 +13,10 @@
 #include <type_traits>
 
 #include "../common/launch.cuh"
+#include "../common/ptx.cuh"
 #include "append_params.h"
 
 namespace flash_ext::decode {
-
-template <typename Element>
-__device__ __forceinline__ float element_to_float(Element x) {
-  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
-    return __bfloat162float(x);
-  } else {
-    return __half2float(x);
-  }
-}
-
-template <typename Element>
-__device__ __forceinline__ Element float_to_element(float x) {
-  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
-    return __float2bfloat16_rn(x);
-  } else {
-    return __float2half_rn(x);
-  }
-}
 
 // Element c of row `row` (its elements `stride` apart) rotated at table row `pos`; unchanged past the rotary dim.
 template <typename Element>
@@ -45,11 +28,11 @@ __device__ __forceinline__ Element rotated(const KvAppendParams& p, const Elemen
   const int pair = p.interleaved ? c / 2 : c % half;
   const bool second = p.interleaved ? c % 2 == 1 : c >= half;
   const int c0 = p.interleaved ? 2 * pair : pair, c1 = p.interleaved ? 2 * pair + 1 : pair + half;
-  const float x0 = element_to_float(row[c0 * stride]), x1 = element_to_float(row[c1 * stride]);
-  const float cos = element_to_float(static_cast<const Element*>(p.cos)[pos * half + pair]);
-  const float sin = element_to_float(static_cast<const Element*>(p.sin)[pos * half + pair]);
+  const float x0 = to_float(row[c0 * stride]), x1 = to_float(row[c1 * stride]);
+  const float cos = to_float(static_cast<const Element*>(p.cos)[pos * half + pair]);
+  const float sin = to_float(static_cast<const Element*>(p.sin)[pos * half + pair]);
   // Separate roundings (no FMA contraction), as the CPU path's torch ops.
-  return float_to_element<Element>(second ? __fadd_rn(__fmul_rn(x0, sin), __fmul_rn(x1, cos))
+  return from_float<Element>(second ? __fadd_rn(__fmul_rn(x0, sin), __fmul_rn(x1, cos))
                                           : __fsub_rn(__fmul_rn(x0, cos), __fmul_rn(x1, sin)));
 }
 

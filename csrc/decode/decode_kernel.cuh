@@ -33,15 +33,6 @@ namespace flash_ext::decode {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <typename Element>
-__device__ __forceinline__ Element from_float(float x) {
-  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
-    return __float2bfloat16(x);
-  } else {
-    return __float2half(x);
-  }
-}
-
 // The cache offset (elements) of position `pos` of sequence b, kv head `head`.
 __device__ __forceinline__ int64_t cache_offset(const DecodeParams& p, int b, int64_t pos, int head) {
   int64_t base;
