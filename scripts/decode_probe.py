@@ -1,7 +1,9 @@
 """Times flash_ext.attention_with_kvcache at a few decode points with the split count forced, to see where a
-point's time goes (bf16, head_dim 128, 32 query heads / 8 KV heads, one query token, contiguous cache).
+point's time goes (bf16, head_dim 128, 32 query heads / 8 KV heads, one query token or --seqlen-q of them,
+contiguous cache).
 
     python scripts/decode_probe.py --points 1x4k,1x16k --splits 0,8,16,32,64
+    python scripts/decode_probe.py --points 1x4k,1x64k --splits 0,16,32,64 --seqlen-q 16   # speculative decoding
     ncu --clock-control none --kernel-name regex:decode python scripts/decode_probe.py --ncu 1x4k
 
 Each time is the median of graph replays of a run of calls over distinct caches (at least 256 MiB in all, so no
@@ -12,7 +14,11 @@ import argparse
 
 import torch
 
-import flash_ext
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flash_ext  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 
@@ -22,12 +28,12 @@ def parse_point(text):
     return int(batch), int(float(kv[:-1]) * 1024) if kv.endswith("k") else int(kv)
 
 
-def calls_for(batch, kv_len, splits):
+def calls_for(batch, kv_len, splits, seqlen_q=1):
     nbytes = 2 * batch * kv_len * HEADS_KV * HEAD_DIM * 2
     sets = max(1, min(32, -(-(256 << 20) // nbytes)))
     calls = []
     for _ in range(sets):
-        q = torch.randn(batch, 1, HEADS_Q, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(batch, seqlen_q, HEADS_Q, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         k = torch.randn(batch, kv_len, HEADS_KV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         v = torch.randn_like(k)
         seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
@@ -63,11 +69,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--points", default="1x4k,1x16k,1x128k,8x4k")
     p.add_argument("--splits", default="0,8,16,32,64,128")
+    p.add_argument("--seqlen-q", type=int, default=1, help="query tokens per sequence (speculative decoding: 4, 16)")
     p.add_argument("--ncu", metavar="POINTS", help="run these points a few times eagerly (for a profiler), then exit")
     args = p.parse_args()
     if args.ncu:
         for point in args.ncu.split(","):
-            calls, _ = calls_for(*parse_point(point), 0)
+            calls, _ = calls_for(*parse_point(point), 0, args.seqlen_q)
             for _ in range(3):
                 calls[0]()
         torch.cuda.synchronize()
@@ -77,7 +84,7 @@ def main():
     for point in args.points.split(","):
         cells = []
         for s in splits:
-            calls, nbytes = calls_for(*parse_point(point), s)
+            calls, nbytes = calls_for(*parse_point(point), s, args.seqlen_q)
             us = graph_time_us(calls)
             cells.append(f"{us:7.1f} {nbytes / us / 1e6:5.2f}  ")
             del calls
