@@ -118,10 +118,10 @@ __device__ __forceinline__ void issue_qk_gemm(float (&acc_s)[kBlockN / 8][4], ui
 #endif
 }
 
-// kExtras: softcap and ALiBi (common/score_mod.cuh); kDropout (implies kExtras): dropout too. Dropout is a
-// variant of its own: its Philox rounds beside the in-flight accumulators made ptxas serialise the wgmmas
-// of the whole kernel (CUDA 13.0, C7511), softcap and ALiBi alone do not.
-template <typename Element, int kHeadDim, bool kExtras, bool kDropout>
+// Dropout, with softcap and ALiBi (common/score_mod.cuh) compiled in. Dropout has its own kernel: its Philox
+// rounds beside the in-flight accumulators made ptxas serialise the wgmmas of a whole kernel (CUDA 13.0,
+// C7511), and in the persistent kernel they cost dropout 1.7% (docs/design.md §7).
+template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
     attention_fwd_sm90_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ FwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -145,8 +145,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   auto bar_v_full = [&](int stage) { return bar_q_full + 8 * (1 + kStages + stage); };
   int* release_count = reinterpret_cast<int*>(smem + Tile::kCounterOffset);  // per stage: warps done with it
 
-  static_assert(kExtras || !kDropout, "the dropout variant includes softcap and ALiBi");
-  if constexpr (kDropout) publish_rng_state(params);
+  publish_rng_state(params);
 
   const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (causal: last) row blocks first
   const int head = blockIdx.y;
@@ -264,7 +263,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   using Mma = Wgmma<Element, kBlockN>;
   using MmaO = Wgmma<Element, kHeadDim>;
 
-  const ScoreMod mod(params, batch, head, len_q, len_k);  // unused without kExtras
+  const ScoreMod mod(params, batch, head, len_q, len_k);
   float acc_o[1][kNTilesO][4] = {};  // the warp's 16 rows of O (mma.sync layout, as acc_s)
   OnlineSoftmax<1> softmax;
 
@@ -297,32 +296,19 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
     // (Block 0 takes this path too: its rows' bases start at -inf, so their factors are 0, on a zero O.)
     // A runtime flag for the mask: with the flags as template arguments of a generic lambda here, nvcc 13.0's
     // cicc crashed (segmentation fault).
-    const float score_scale_log2 = kExtras ? params.fwd_score_scale_log2 : params.scale_log2;
+    const float score_scale_log2 = params.fwd_score_scale_log2;
     auto scores_to_p = [&](int i, float (&acc_s)[1][kNTilesS][4], uint32_t (&p_frag)[1][kBlockN / 16][4],
                            float (&o_factor)[2]) {
       const int key_block = num_key_blocks - 1 - i;
-      bool rescale;
-      // The mask in both branches keeps the plain kernel's SASS as it is without ALiBi's row offsets (one
-      // mask call after the branch renumbers its registers).
-      if constexpr (kExtras) {
-        float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
-        if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
-        if (key_block >= hi_unmasked || key_block < lo_unmasked) {
-          mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
-        }
-        rescale = softmax.template raise_bases<false>(acc_s, score_scale_log2, row_offset, o_factor);
-        softmax.exponentiate(acc_s, score_scale_log2, row_offset);
-      } else {
-        if (key_block >= hi_unmasked || key_block < lo_unmasked) {
-          mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
-        }
-        rescale = softmax.template raise_bases<false>(acc_s, score_scale_log2, o_factor);
-        softmax.exponentiate(acc_s, score_scale_log2);
+      float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
+      if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
+      if (key_block >= hi_unmasked || key_block < lo_unmasked) {
+        mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
       }
+      const bool rescale = softmax.template raise_bases<false>(acc_s, score_scale_log2, row_offset, o_factor);
+      softmax.exponentiate(acc_s, score_scale_log2, row_offset);
       accumulator_to_a_fragments<Element>(acc_s, p_frag);
-      if constexpr (kDropout) {
-        if (params.has_dropout()) drop_probabilities(p_frag, first_row + warp_first_row, key_block * kBlockN, params);
-      }
+      if (params.has_dropout()) drop_probabilities(p_frag, first_row + warp_first_row, key_block * kBlockN, params);
       return rescale;
     };
 
@@ -394,24 +380,15 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
       // The previous block's buffers are no longer read by this warp.
       if (!decltype(is_first)::value) release_key_block(i - 1);
 
-      if constexpr (kExtras) {
-        float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
-        if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
-        if constexpr (decltype(needs_mask)::value) {
-          mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
-        }
-        softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.fwd_score_scale_log2, row_offset);
-      } else {
-        if constexpr (decltype(needs_mask)::value) {
-          mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
-        }
-        softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.scale_log2);
+      float row_offset[2] = {};  // ALiBi's row terms (score_tile.cuh)
+      if (mod.active()) modify_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, mod, row_offset);
+      if constexpr (decltype(needs_mask)::value) {
+        mask_scores(acc_s, first_row + warp_first_row, key_block * kBlockN, band);
       }
+      softmax.template update<decltype(is_first)::value>(acc_s, acc_o, params.fwd_score_scale_log2, row_offset);
       uint32_t p_frag[1][kBlockN / 16][4];
       accumulator_to_a_fragments<Element>(acc_s, p_frag);
-      if constexpr (kDropout) {
-        if (params.has_dropout()) drop_probabilities(p_frag, first_row + warp_first_row, key_block * kBlockN, params);
-      }
+      if (params.has_dropout()) drop_probabilities(p_frag, first_row + warp_first_row, key_block * kBlockN, params);
 
       mbarrier_wait(bar_v_full(stage), parity);
       wgmma_fence();
@@ -443,14 +420,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<kHeadDim>::kThreads, 1)
   register_fence(acc_o[0]);
 
   float row_lse[2];
-  softmax.finalize(acc_o, kExtras ? params.fwd_score_scale : params.softmax_scale, row_lse);
-  if constexpr (kDropout) {
-    if (params.has_dropout()) {  // kept probabilities count 1 / (1 - p)
+  softmax.finalize(acc_o, params.fwd_score_scale, row_lse);
+  if (params.has_dropout()) {  // kept probabilities count 1 / (1 - p)
 #pragma unroll
-      for (int j = 0; j < kNTilesO; ++j) {
+    for (int j = 0; j < kNTilesO; ++j) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc_o[0][j][r] *= params.dropout_scale;
-      }
+      for (int r = 0; r < 4; ++r) acc_o[0][j][r] *= params.dropout_scale;
     }
   }
 

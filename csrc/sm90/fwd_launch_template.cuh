@@ -15,7 +15,7 @@ namespace flash_ext::sm90 {
 
 // The one-tile kernel's instantiation: dropout, with the score modifiers compiled in.
 template <typename Element, int kHeadDim>
-constexpr auto kFwdDropoutKernel = attention_fwd_sm90_kernel<Element, kHeadDim, true, true>;
+constexpr auto kFwdDropoutKernel = attention_fwd_sm90_kernel<Element, kHeadDim>;
 
 // The persistent kernel's instantiation for a call without dropout.
 template <typename Element, int kHeadDim, bool kKeysInCache>
