@@ -1,5 +1,6 @@
 // What the CPU and CUDA bodies of flash_ext::kvcache_fwd share: the checks that need no read of the index
-// tensors' values (mirrored by _kvcache_fwd_fake in flash_ext/_ops.py) and the rotary embedding by torch ops.
+// tensors' values (mirrored by _kvcache_fwd_fake in flash_ext/_ops.py); and the CPU body's rotary embedding by torch
+// ops, whose roundings the CUDA append kernel (decode/append_kernel.cuh) repeats.
 #include "kvcache_common.h"
 
 #include <ATen/ops/cat.h>

@@ -41,6 +41,23 @@ __device__ __forceinline__ int64_t row_offset(const int64_t* strides, int64_t b,
   return b * strides[0] + i * strides[1] + head * strides[2];
 }
 
+// Element e of a (batch, seqlen, heads, head_dim) row-major index space, and sequence b's cache position for its
+// i-th row: cache_seqlens[b] + i.
+struct AppendElement {
+  int b, i, head, c;
+  __device__ __forceinline__ AppendElement(int64_t e, int seqlen, int heads, int head_dim) {
+    c = static_cast<int>(e % head_dim);
+    int64_t rest = e / head_dim;
+    head = static_cast<int>(rest % heads);
+    rest /= heads;
+    i = static_cast<int>(rest % seqlen);
+    b = static_cast<int>(rest / seqlen);
+  }
+  __device__ __forceinline__ int64_t position(const KvAppendParams& p, int offset) const {
+    return (p.seqlens != nullptr ? int64_t{p.seqlens[b]} : p.capacity) + offset;
+  }
+};
+
 constexpr int kAppendThreads = 256;
 
 template <typename Element>
@@ -50,13 +67,9 @@ __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const KvAppen
   for (int64_t e = blockIdx.x * int64_t{kAppendThreads} + threadIdx.x; e < key_elements + q_elements;
        e += int64_t{gridDim.x} * kAppendThreads) {
     if (e < key_elements) {
-      const int c = static_cast<int>(e % p.head_dim);
-      int64_t rest = e / p.head_dim;
-      const int head = static_cast<int>(rest % p.heads_kv);
-      rest /= p.heads_kv;
-      const int i = static_cast<int>(rest % p.seqlen_new);
-      const int b = static_cast<int>(rest / p.seqlen_new);
-      const int64_t pos = (p.seqlens != nullptr ? int64_t{p.seqlens[b]} : p.capacity) + i;
+      const AppendElement x(e, p.seqlen_new, p.heads_kv, p.head_dim);
+      const int b = x.b, i = x.i, head = x.head, c = x.c;
+      const int64_t pos = x.position(p, i);
       if (pos < 0 || pos >= p.capacity) continue;
       int64_t slab, slot;  // the cache's index in dimensions 0 and 1
       if (p.block_table != nullptr) {
@@ -75,13 +88,9 @@ __global__ void __launch_bounds__(kAppendThreads) kv_append_kernel(const KvAppen
           v_row[c * p.v_new_strides[3]];
     } else {
       const int64_t f = e - key_elements;
-      const int c = static_cast<int>(f % p.head_dim);
-      int64_t rest = f / p.head_dim;
-      const int head = static_cast<int>(rest % p.heads_q);
-      rest /= p.heads_q;
-      const int i = static_cast<int>(rest % p.seqlen_q);
-      const int b = static_cast<int>(rest / p.seqlen_q);
-      int64_t pos = (p.seqlens != nullptr ? int64_t{p.seqlens[b]} : p.capacity) + (p.q_positions_advance ? i : 0);
+      const AppendElement x(f, p.seqlen_q, p.heads_q, p.head_dim);
+      const int b = x.b, i = x.i, head = x.head, c = x.c;
+      int64_t pos = x.position(p, p.q_positions_advance ? i : 0);
       pos = pos < 0 ? 0 : pos >= p.seqlen_ro ? p.seqlen_ro - 1 : pos;  // out of contract: any row of the table
       const Element* q_row = static_cast<const Element*>(p.q) + row_offset(p.q_strides, b, i, head);
       static_cast<Element*>(p.q_out)[f] = rotated(p, q_row, p.q_strides[3], c, pos);
