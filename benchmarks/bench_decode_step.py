@@ -3,8 +3,10 @@ appended (k=, v=; one token, or 16 for speculative decoding), rotary on or off, 
 32 query / 8 KV heads, hd128, causal. Prints eager and CUDA-graph replay time per call (do_bench medians).
 bench_decode.py's grid times the attention alone (no append); this one adds what a step writes.
 
-    python benchmarks/bench_decode_step.py [LABEL]
+    python benchmarks/bench_decode_step.py [LABEL] [--json FILE]
 """
+import argparse
+import json
 import os
 import sys
 
@@ -17,10 +19,8 @@ if REPO not in sys.path:
 import flash_ext  # noqa: E402
 
 
-LABEL = sys.argv[1] if len(sys.argv) > 1 else "flash_ext"
 
-
-def run(batch, kv, sq, rotary, page):
+def run(label, batch, kv, sq, rotary, page):
     dev, dt, hq, hkv, d = "cuda", torch.bfloat16, 32, 8, 128
     q = torch.randn(batch, sq, hq, d, device=dev, dtype=dt)
     if page:
@@ -50,10 +50,24 @@ def run(batch, kv, sq, rotary, page):
     with torch.cuda.graph(g):
         f()
     graph = do_bench(g.replay, warmup=10, rep=50)
-    print(f"step {LABEL:8s} batch {batch} kv {kv} sq {sq} rotary {rotary} page {page}: "
+    print(f"step {label:8s} batch {batch} kv {kv} sq {sq} rotary {rotary} page {page}: "
           f"eager {eager * 1000:.1f} us graph {graph * 1000:.1f} us", flush=True)
+    return dict(label=label, batch=batch, kv_len=kv, seqlen_q=sq, rotary=rotary, page_size=page,
+                eager_us=eager * 1000, graph_us=graph * 1000)
 
 
-for args in [(1, 4096, 1, False, 0), (1, 4096, 1, True, 0), (1, 4096, 1, True, 16), (8, 16384, 1, True, 256),
-             (1, 4096, 16, True, 0), (64, 4096, 1, True, 16)]:
-    run(*args)
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("label", nargs="?", default="flash_ext", help="name printed on each line")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    rows = [run(args.label, *point) for point in [(1, 4096, 1, False, 0), (1, 4096, 1, True, 0), (1, 4096, 1, True, 16),
+                                                  (8, 16384, 1, True, 256), (1, 4096, 16, True, 0),
+                                                  (64, 4096, 1, True, 16)]]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

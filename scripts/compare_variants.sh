@@ -6,12 +6,13 @@
 # too (with --sanitize also scripts/sanitize.py under compute-sanitizer memcheck and racecheck); with
 # --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
 # table (--features=score_mods: only some of its groups, a comma list, see its --only); with --decode,
-# benchmarks/bench_decode.py (BENCH ARGS are then its arguments) replaces bench_attention.py. Versions measured in
+# benchmarks/bench_decode.py (BENCH ARGS are then its arguments) replaces bench_attention.py; with --decode-step,
+# benchmarks/bench_decode_step.py (a generation step with its append; no arguments). Versions measured in
 # one call share the GPU's state (clocks, temperature), so their differences are more telling than numbers
 # from separate calls. Two files per version come back: $OUT/<name>.txt (build status, ptxas summary, test
 # line, tables) and $OUT/<name>.json (bench_attention.py's rows).
 #
-#   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [--decode] [-- BENCH ARGS]
+#   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [--decode | --decode-step] [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
 # Every version is built (and tested) first; then the benchmark runs ROUNDS times (default 1), the versions
@@ -44,6 +45,7 @@ while [ $# -gt 0 ]; do
     --features) FEATURES=1 ;;
     --features=*) FEATURES=1; FEATURE_GROUPS=${1#--features=} ;;
     --decode) BENCH=benchmarks/bench_decode.py; BENCH_ARGS=(); BENCH_LINES="." ;;
+    --decode-step) BENCH=benchmarks/bench_decode_step.py; BENCH_ARGS=(); BENCH_LINES="." ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "compare_variants.sh: unknown argument $1" >&2; exit 64 ;;
   esac
