@@ -693,6 +693,17 @@ def test_decode_kernel_each_option(options, head_dim):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("options", list(DECODE_OPTIONS.values()), ids=list(DECODE_OPTIONS))
+def test_decode_kernel_four_row_tiles_each_option(options, head_dim):
+    """Every option through the decode kernels' shape for more than 16 packed rows per kv head (speculative
+    decoding: 8 query heads per kv head x 5 queries, the warps sharing each 64-key stage; wgmma on sm90), over
+    several stages, against the reference."""
+    base = dict(seqlen_q=5, seqlen_new=5, heads_q=16, seqlen_cache=200, cache_seqlens=(150, 37))
+    check_call(*case("cuda", torch.bfloat16, **dict(base, **options, head_dim=head_dim)))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("options", list(COMBINATIONS.values()), ids=list(COMBINATIONS))
 def test_decode_kernel_combinations(options):
     check_call(*case("cuda", None, **dict(options, head_dim=128, dtype=options.get("dtype", torch.float16))))
@@ -700,10 +711,12 @@ def test_decode_kernel_combinations(options):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [None, 16, 256])
-def test_decode_num_splits_agree_and_repeat(page_size):
-    """num_splits 1, 2, 7 and automatic: within tolerance of each other, and each bitwise repeatable."""
-    args, kwargs = case("cuda", torch.bfloat16, head_dim=128, heads_q=8, heads_kv=2, seqlen_q=1, seqlen_new=1,
-                        seqlen_cache=700, cache_seqlens=(650, 37), page_size=page_size, causal=True)
+@pytest.mark.parametrize("seqlen_q", [1, 16])
+def test_decode_num_splits_agree_and_repeat(page_size, seqlen_q):
+    """num_splits 1, 2, 7 and automatic: within tolerance of each other, and each bitwise repeatable (one row tile
+    per CTA at seqlen_q 1, four at 16)."""
+    args, kwargs = case("cuda", torch.bfloat16, head_dim=128, heads_q=8, heads_kv=2, seqlen_q=seqlen_q,
+                        seqlen_new=seqlen_q, seqlen_cache=700, cache_seqlens=(650, 37), page_size=page_size, causal=True)
     results = {}
     for splits in (1, 2, 7, 0):
         runs = []
