@@ -92,6 +92,23 @@ struct SwizzledRows {
   }
 };
 
+// The layout TMA writes with its 128-byte swizzle and wgmma reads (sm90/ptx_sm90.cuh, swizzle128_descriptor):
+// a tile of `rows` rows stored as 64-column regions of rows x 128 bytes, the 16-byte chunk c of row r at chunk
+// c ^ (r % 8) of its 128-byte line. Byte offset of (row, col).
+__device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int col) {
+  const int chunk = (col % 64) / 8;
+  return (col / 64) * rows * 128 + row * 128 + ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
+}
+
+// The same layout for tiles of kRows rows that cp.async fills and wgmma reads (the sm90 speculative-decoding
+// kernel's Q tile and K / V stages): offsets only, no ldmatrix lane addresses.
+template <int kRows>
+struct Swizzle128Regions {
+  __device__ __forceinline__ static uint32_t offset(int row, int col) {
+    return swizzled_offset(kRows, row, col);
+  }
+};
+
 // The layout of the (rows x head_dim) tiles that cp.async fills (Q, K, V, dO).
 template <int kHeadDim>
 using HeadDimRows =

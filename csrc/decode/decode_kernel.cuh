@@ -10,7 +10,10 @@
 //     with itself, so a slow copy holds back one warp, not the CTA); at the end the warps' (O, lse) merge in
 //     shared memory;
 //   - four row tiles (speculative decoding): each warp copies one slice of a 64-key stage and scores its own
-//     row tile against the whole stage (a CTA barrier per stage).
+//     row tile against the whole stage (a CTA barrier per stage). On sm90 (kWgmma) the four warps are one
+//     warpgroup whose wgmmas read each stage's K and V once (64 x 64 scores from shared Q and K; P from
+//     registers against V), where mma.sync's warps each read the whole stage: a quarter of the shared-memory
+//     traffic, at wgmma's rate.
 // The CTA writes its split's normalised output and lse, or, with one split, the final out and lse;
 // attention_decode_combine_kernel merges the splits.
 #pragma once
@@ -26,6 +29,8 @@
 #include "../common/ptx.cuh"
 #include "../common/smem_rows.cuh"
 #include "../common/warp_gemm.cuh"
+#include "../sm90/ptx_sm90.cuh"
+#include "../sm90/wgmma.cuh"
 #include "decode_params.h"
 #include "launch.h"
 
@@ -49,11 +54,10 @@ __device__ __forceinline__ int64_t cache_offset(const DecodeParams& p, int b, in
 // One warp's copy of keys [first, first + kWarpKeys) of K and V into a stage (rows at or past `end` are
 // zero-filled). Lane r < kWarpKeys finds row r's cache offset (through the block table when paged) once;
 // the lanes copying a row take it by shuffle. Consecutive lanes copy consecutive 16-byte chunks of a row.
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, typename Rows>
 __device__ __forceinline__ void load_slice(const DecodeParams& p, int b, int kv_head, int64_t key_begin,
                                            int64_t first, int64_t end, uint32_t k_stage, uint32_t v_stage,
                                            int lane) {
-  using Rows = SwizzledRows<kHeadDim>;
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kLanesPerRow = kChunks < 32 ? kChunks : 32;
   constexpr int kRowsPerPass = 32 / kLanesPerRow;
@@ -78,9 +82,8 @@ __device__ __forceinline__ void load_slice(const DecodeParams& p, int b, int kv_
 // Zeroes the rows of a slice (keys first ...) at or past `end` that this lane copied by load_slice (the same
 // lane -> (row, chunk) map, so what the lane overwrites are its own completed copies): rows copied before the
 // sequence's length was known.
-template <int kHeadDim>
+template <int kHeadDim, typename Rows>
 __device__ __forceinline__ void zero_rows_from(unsigned char* stage, int64_t first, int64_t end, int lane) {
-  using Rows = SwizzledRows<kHeadDim>;
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kLanesPerRow = kChunks < 32 ? kChunks : 32;
   constexpr int kRowsPerPass = 32 / kLanesPerRow;
@@ -95,17 +98,74 @@ __device__ __forceinline__ void zero_rows_from(unsigned char* stage, int64_t fir
   }
 }
 
-template <typename Element, int kHeadDim, int kRowTiles>
+// The sm90 tile math of the four-row-tile shape (the CTA's four warps are one warpgroup; tiles of kCtaKeys =
+// 64 rows in Swizzle128Regions). Empty where the sm_90a instructions are not compiled: launch_template.cuh
+// launches the kWgmma kernel only on sm90 with its sm_90a code present.
+// Scores of the CTA's 64 rows against a stage's 64 keys (k-step t: head-dim columns 16t .. 16t + 15, region
+// t / 4, 32 bytes per step inside it), waited for.
+template <typename Element, int kHeadDim>
+__device__ __forceinline__ void scores_wgmma(float (&acc_s)[kCtaKeys / 8][4], uint32_t q_tile, uint32_t k_tile) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const uint64_t q_desc = sm90::swizzle128_descriptor(q_tile, 16), k_desc = sm90::swizzle128_descriptor(k_tile, 16);
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < kHeadDim / 16; ++t) {
+    const uint32_t step = (t / 4) * kCtaKeys * 128 + (t % 4) * 32;
+    sm90::Wgmma<Element, kCtaKeys>::template ss<0>(acc_s, sm90::descriptor_plus(q_desc, step),
+                                                  sm90::descriptor_plus(k_desc, step), t);
+  }
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  sm90::register_fence(acc_s);
+#endif
+}
+// O += P V over a stage (k-step t: keys 16t .. 16t + 15; V MN-major, its 64-column regions kCtaKeys rows
+// apart): issued, not waited for (values_wgmma_wait).
+template <typename Element, int kHeadDim>
+__device__ __forceinline__ void values_wgmma(float (&acc_o)[kHeadDim / 8][4], const uint32_t (&p_frag)[kCtaKeys / 16][4],
+                                             uint32_t v_tile) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const uint64_t v_desc = sm90::swizzle128_descriptor(v_tile, kCtaKeys * 128);
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < kCtaKeys / 16; ++t) {
+    sm90::Wgmma<Element, kHeadDim>::template rs<1>(acc_o, p_frag[t], sm90::descriptor_plus(v_desc, t * 16 * 128), 1);
+  }
+  sm90::wgmma_commit();
+#endif
+}
+template <int kHeadDim>
+__device__ __forceinline__ void values_wgmma_wait(float (&acc_o)[kHeadDim / 8][4]) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  sm90::wgmma_wait<0>();
+  sm90::register_fence(acc_o);
+#endif
+}
+// This thread's completed cp.async writes (and plain stores) made visible to wgmma's reads (the async proxy)
+// once the CTA has synchronised.
+__device__ __forceinline__ void copies_visible_to_wgmma() {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  sm90::fence_async_shared();
+#endif
+}
+
+template <typename Element, int kHeadDim, int kRowTiles, bool kWgmma>
 __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const DecodeParams p) {
-  using Rows = SwizzledRows<kHeadDim>;
   constexpr bool kShared = kRowTiles > 1;  // the warps share each stage (row_tiles() in launch.h)
   static_assert(kRowTiles == 1 || kRowTiles == kWarps, "one row tile, or one per warp");
+  static_assert(!kWgmma || kShared, "wgmma: the four-row-tile shape");
+  using Rows = std::conditional_t<kWgmma, Swizzle128Regions<kCtaKeys>, SwizzledRows<kHeadDim>>;
+#if !(defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL))
+  if constexpr (kWgmma) return;  // sm_90a code only (launched on sm90 alone)
+#endif
   constexpr int kStages = stages(kHeadDim);
   constexpr int kTileBytes = kCtaKeys * kHeadDim * 2;  // one stage's K (or V)
   constexpr int kQBytes = 16 * kRowTiles * kHeadDim * 2;
   constexpr int kKeys = kShared ? kCtaKeys : kWarpKeys;  // keys a warp scores per step
   constexpr int kNTilesS = kKeys / 8, kNTilesO = kHeadDim / 8;
-  extern __shared__ __align__(128) unsigned char smem[];
+  // 1024-byte alignment: Swizzle128Regions' tiles (kWgmma) start at multiples of 1024 bytes, as the swizzle
+  // descriptors require (the Q tile and a stage's K or V are whole multiples of 1024 bytes).
+  extern __shared__ __align__(1024) unsigned char smem[];
 
   // The combine kernel (a programmatic dependent) may launch now; it waits for this grid to finish.
   allow_dependent_launch();
@@ -136,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   const uint32_t q_tile = smem_address(smem);
   auto k_stage = [&](int step) { return q_tile + kQBytes + (step % kStages) * 2 * kTileBytes; };
   auto v_stage = [&](int step) { return k_stage(step) + kTileBytes; };
-  auto own_rows = [&](uint32_t stage) { return stage + warp * kWarpKeys * Rows::kRowBytes; };
+  auto own_rows = [&](uint32_t stage) { return stage + Rows::offset(warp * kWarpKeys, 0); };
   // Slice s (keys lo + 16 s ...) is copied by warp s % kWarps into its rows of stage (s / kWarps) % kStages.
   // Steps: a warp's own slices, or (shared) the CTA's stages of kWarps slices.
   int64_t lo = int64_t{split} * p.keys_per_split;
@@ -148,8 +208,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   int64_t key_begin = 0;
   auto load = [&](int step, int64_t end) {
     // A shared step's slices past `end` are copied as zeros: every warp reads the whole stage.
-    load_slice<Element, kHeadDim>(p, b, kv_head, key_begin, slice_first(step), end, own_rows(k_stage(step)),
-                                  own_rows(v_stage(step)), lane);
+    load_slice<Element, kHeadDim, Rows>(p, b, kv_head, key_begin, slice_first(step), end, own_rows(k_stage(step)),
+                                        own_rows(v_stage(step)), lane);
   };
   auto prologue = [&](int64_t end) {
     const int count = steps_of(end);
@@ -199,13 +259,19 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
   OnlineSoftmax<1> softmax;
   cp_async_wait<kStages - 1>();  // the Q tile's group (the slices' groups may still be in flight)
+  if constexpr (kWgmma) copies_visible_to_wgmma();
   __syncthreads();
 
-  const uint32_t q_lanes = a_lane_address<Rows>(q_tile, 16 * row_tile, 0);
+  uint32_t q_lanes = 0;
+  if constexpr (!kWgmma) q_lanes = a_lane_address<Rows>(q_tile, 16 * row_tile, 0);
   for (int step = 0; step < steps; ++step) {
     cp_async_wait<kStages - 2>();  // this thread's copies of `step`
     if (early && step < kStages - 1 && slice_first(step) + kWarpKeys > hi) {
-      zero_rows_from<kHeadDim>(smem + (own_rows(v_stage(step)) - q_tile), slice_first(step), hi, lane);
+      zero_rows_from<kHeadDim, Rows>(smem + (own_rows(v_stage(step)) - q_tile), slice_first(step), hi, lane);
+    }
+    if constexpr (kWgmma) {
+      copies_visible_to_wgmma();
+      values_wgmma_wait<kHeadDim>(acc_o[0]);  // step - 1's P V, which reads the stage the next copy refills
     }
     // Every copy of `step` landed, and every reader of step - 1's stage, which the next copy refills, is done.
     if constexpr (kShared) {
@@ -219,12 +285,16 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     const uint32_t k_tile = kShared ? k_stage(step) : own_rows(k_stage(step));
     const uint32_t v_tile = kShared ? v_stage(step) : own_rows(v_stage(step));
     float acc_s[1][kNTilesS][4];
+    if constexpr (kWgmma) {
+      scores_wgmma<Element, kHeadDim>(acc_s[0], q_tile, k_tile);
+    } else {
 #pragma unroll
-    for (int nj = 0; nj < kNTilesS; ++nj)
+      for (int nj = 0; nj < kNTilesS; ++nj)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[0][nj][e] = 0.f;
-    gemm_smem<Element, 1, kNTilesS, kHeadDim / 16, kRowsAreMN, Rows, kRowsAreMN, Rows>(
-        acc_s, q_lanes, b_rows_n_lane_address<Rows>(k_tile, 0, 0));
+        for (int e = 0; e < 4; ++e) acc_s[0][nj][e] = 0.f;
+      gemm_smem<Element, 1, kNTilesS, kHeadDim / 16, kRowsAreMN, Rows, kRowsAreMN, Rows>(
+          acc_s, q_lanes, b_rows_n_lane_address<Rows>(k_tile, 0, 0));
+    }
 
     const int64_t first = kShared ? lo + int64_t{step} * kCtaKeys : slice_first(step);
 #pragma unroll
@@ -250,9 +320,14 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     softmax.template update<false>(acc_s, acc_o, scale_log2);
     uint32_t p_frag[1][kNTilesS / 2][4];
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
-    gemm_rs_ab<Element, 1, kNTilesO, kNTilesS / 2, Rows>(acc_o, p_frag, b_rows_k_lane_address<Rows>(v_tile, 0, 0));
+    if constexpr (kWgmma) {
+      values_wgmma<Element, kHeadDim>(acc_o[0], p_frag[0], v_tile);
+    } else {
+      gemm_rs_ab<Element, 1, kNTilesO, kNTilesS / 2, Rows>(acc_o, p_frag, b_rows_k_lane_address<Rows>(v_tile, 0, 0));
+    }
   }
   cp_async_wait<0>();
+  if constexpr (kWgmma) values_wgmma_wait<kHeadDim>(acc_o[0]);
 
   float lse[2];
   softmax.finalize(acc_o, lse_scale, lse);

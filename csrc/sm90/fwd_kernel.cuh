@@ -45,6 +45,7 @@
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
 #include "../common/score_tile.cuh"
+#include "../common/smem_rows.cuh"
 #include "../common/warp_gemm.cuh"
 #include "../params.h"
 #include "ptx_sm90.cuh"
@@ -88,12 +89,6 @@ struct FwdSm90Tile {
   static constexpr int kSmemBytes = kCounterOffset + 4 * kStages + 1024;
   static_assert(kHeadDim % 64 == 0, "whole 128-byte rows");
 };
-
-// Byte offset of (row, column) in a tile of `rows` rows stored as 64-column regions, 128-byte swizzle.
-__device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int col) {
-  const int chunk = (col % 64) / 8;
-  return (col / 64) * rows * 128 + row * 128 + ((chunk ^ (row % 8)) * 16) + (col % 8) * 2;
-}
 
 // S = Q Kᵀ for one warpgroup's 64 query rows once K has arrived (`k_full`'s phase `parity`): q_rows is the
 // warpgroup's first Q row in a kBlockM-row tile, k_tile a kBlockN-row K tile, both swizzled (k-step t covers

@@ -55,9 +55,10 @@
 #include "../common/ptx.cuh"
 #include "../common/score_mod.cuh"
 #include "../common/score_tile.cuh"
+#include "../common/smem_rows.cuh"
 #include "../common/warp_gemm.cuh"
 #include "../params.h"
-#include "fwd_kernel.cuh"  // FwdTensorMaps, swizzled_offset
+#include "fwd_kernel.cuh"  // FwdTensorMaps
 #include "ptx_sm90.cuh"
 #include "wgmma.cuh"
 
