@@ -264,27 +264,23 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
 
   uint32_t q_lanes = 0;
   if constexpr (!kWgmma) q_lanes = a_lane_address<Rows>(q_tile, 16 * row_tile, 0);
-  // Both ends of the CTA's (or, with one row tile, the warp's) synchronisation per step.
-  auto sync = [] {
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of `step`
+    if (early && step < kStages - 1 && slice_first(step) + kWarpKeys > hi) {
+      zero_rows_from<kHeadDim, Rows>(smem + (own_rows(v_stage(step)) - q_tile), slice_first(step), hi, lane);
+    }
+    if constexpr (kWgmma) {
+      copies_visible_to_wgmma();
+      values_wgmma_wait<kHeadDim>(acc_o[0]);  // step - 1's P V, which reads the stage the next copy refills
+    }
+    // Every copy of `step` landed, and every reader of step - 1's stage, which the next copy refills, is done.
     if constexpr (kShared) {
       __syncthreads();
     } else {
       __syncwarp();
     }
-  };
-  for (int step = 0; step < steps; ++step) {
-    // The stage of step - 1 is refilled (with step + kStages - 1) as soon as every reader is past it, before
-    // waiting for step's copies: kStages slices are in flight during that wait rather than kStages - 1.
-    if constexpr (kWgmma) values_wgmma_wait<kHeadDim>(acc_o[0]);  // step - 1's P V reads that stage
-    if (step > 0) sync();
     if (step + kStages - 1 < steps) load(step + kStages - 1, hi);
     cp_async_commit();
-    cp_async_wait<kStages - 1>();  // this thread's copies of `step`
-    if (early && step < kStages - 1 && slice_first(step) + kWarpKeys > hi) {
-      zero_rows_from<kHeadDim, Rows>(smem + (own_rows(v_stage(step)) - q_tile), slice_first(step), hi, lane);
-    }
-    if constexpr (kWgmma) copies_visible_to_wgmma();
-    sync();  // every copy of `step` landed (and its stale rows are zeroed)
 
     const uint32_t k_tile = kShared ? k_stage(step) : own_rows(k_stage(step));
     const uint32_t v_tile = kShared ? v_stage(step) : own_rows(v_stage(step));
