@@ -30,7 +30,7 @@ constexpr int rows_per_cta(int rows) { return 16 * row_tiles(rows); }
 // Stages of the K / V ring: three slices in flight per warp at head_dim 64 (2 KB each of K and V), two at 128
 // (4 KB), one at 256 (8 KB; with more, a CTA would not fit an A100's 163 KB), so an H100 / H200 SM holds
 // 64-128 KB of copies in flight.
-constexpr int stages(int head_dim) { return head_dim <= 64 ? 4 : head_dim <= 128 ? 5 : 2; }
+constexpr int stages(int head_dim) { return head_dim <= 64 ? 4 : head_dim <= 128 ? 3 : 2; }
 // Dynamic shared memory: the Q tile, then the ring (reused for the warps' merge).
 constexpr int smem_bytes(int head_dim, int row_tiles) {
   const int ring = stages(head_dim) * 2 * kCtaKeys * head_dim * 2;
