@@ -175,6 +175,8 @@ def build_parser():
                         "keys, batch 1")
     p.add_argument("--prefill-page-sizes", type=parse_sizes, default=f"0,{PREFILL_TARGET_PAGE}",
                    help="cache layouts of the prefill points (0 = contiguous)")
+    p.add_argument("--prefill-rounds", type=int, default=3,
+                   help="interleaved rounds of the prefill points; each row keeps its median (default 3)")
     p.add_argument("--max-kv-gib", type=float, default=40.0, help="skip points whose K + V cache is larger (GiB)")
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warmup per measurement (default 10)")
     p.add_argument("--rep-ms", type=float, default=50.0, help="do_bench rep time per measurement (default 50)")
@@ -866,6 +868,9 @@ class Bench:
                 plans += [("flash_ext", page, "append"), ("flash_ext", page, "cached")]
             if "fa4" in self.args.impls:
                 plans.append(("fa4", page, "cached"))
+        # Every plan's call is built first, then timed in --prefill-rounds interleaved rounds (the median kept): the
+        # first-timed call of a run can catch different clocks than the rest, and the rows are compared to each other.
+        calls = []
         for impl, page, variant in plans:
             if self.disabled.get((impl, page, "append" if variant == "append" else sq)):
                 continue
@@ -885,25 +890,35 @@ class Bench:
                                                   causal=True)
             else:
                 fn = self.call(impl, q, k, v, table, seqlens, sk)
-            try:
-                ms = self.measure(fn, "eager")
-            except CutShort:
-                raise
-            except Exception as e:  # noqa: BLE001
-                if is_fatal_cuda(e):
-                    raise FatalCudaError(f"prefill {impl}: {first_line(e)}") from e
-                self.failed(f"prefill {impl} {page_label(page)} {variant}", f"{sq} queries, {sk} keys", e)
+            calls.append(((impl, page, variant, cached), fn))
+        times = {key: [] for key, _ in calls}
+        for _ in range(self.args.prefill_rounds):
+            for key, fn in calls:
+                impl, page, variant, _ = key
+                if self.disabled.get((impl, page, variant)):
+                    continue
+                try:
+                    times[key].append(self.measure(fn, "eager"))
+                except CutShort:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    if is_fatal_cuda(e):
+                        raise FatalCudaError(f"prefill {impl}: {first_line(e)}") from e
+                    self.failed(f"prefill {impl} {page_label(page)} {variant}", f"{sq} queries, {sk} keys", e)
+                    self.disabled[(impl, page, variant)] = first_line(e)
+        del calls
+        for (impl, page, variant, cached), measured in times.items():
+            if not measured:
                 continue
-            finally:
-                del fn
+            ms = sorted(measured)[len(measured) // 2]
             tflops = flops / (ms * 1e-3) / 1e12
             out.append({"impl": impl, "variant": variant, "mode": "eager", "batch": batch, "seqlen_q": sq,
                         "seqlen_k": sk, "cache_seqlen": cached, "page_size": page, "ms": ms, "tflops": tflops,
-                        "pairs": visible_pairs(sq, sk)})
+                        "pairs": visible_pairs(sq, sk), "rounds_ms": measured})
             print(f"prefill {impl:20s} {page_label(page):10s} {variant:7s} "
-                  f"{ms:8.3f} ms {tflops:6.1f} TFLOP/s", flush=True)
-            del k, v, table, seqlens
-            torch.cuda.empty_cache()
+                  f"{ms:8.3f} ms {tflops:6.1f} TFLOP/s  (rounds: {', '.join(f'{t:.3f}' for t in measured)})",
+                  flush=True)
+        torch.cuda.empty_cache()
 
     def read_bandwidth(self):
         x = self.torch.empty(2 ** 30 // 2, dtype=self.torch.bfloat16, device=self.dev).normal_()
