@@ -246,6 +246,9 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     diagonal[half] = query_of(r) + to_diagonal;
     slope[half] = (p.alibi_slopes != nullptr && r < rows) ? p.alibi_slopes[b * p.alibi_batch_stride + head_of(r)] : 0.f;
   }
+  // The window's key bounds common to all of the CTA's rows (its queries' diagonals rise with the row).
+  const int64_t lowest_seen = query_of(rows - 1) + to_diagonal - p.window_left;
+  const int64_t highest_seen = query_of(0) + to_diagonal + p.window_right;
   // Plain scores stay unscaled (the softmax scale enters through exp2's FFMA); with softcap or ALiBi the
   // modified scores are formed in natural-log units.
   const bool modified = p.softcap > 0.f || p.alibi_slopes != nullptr;
@@ -297,23 +300,29 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     }
 
     const int64_t first = kShared ? lo + int64_t{step} * kCtaKeys : slice_first(step);
+    // Plain scores of keys every row of the CTA sees (a decode step's keys short of the sequence's end) need no
+    // per-element work.
+    const bool all_visible = first + kKeys <= hi && (p.window_left < 0 || first >= lowest_seen) &&
+                             (p.window_right < 0 || first + kKeys - 1 <= highest_seen);
+    if (modified || !all_visible) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < 2; ++half) {
 #pragma unroll
-      for (int nj = 0; nj < kNTilesS; ++nj) {
+        for (int nj = 0; nj < kNTilesS; ++nj) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int64_t key = first + nj * 8 + 2 * (lane % 4) + e;
-          float& s = acc_s[0][nj][2 * half + e];
-          if (modified) {
-            s *= p.softmax_scale;
-            if (p.softcap > 0.f) s = p.softcap * tanhf(s / p.softcap);
-            s -= slope[half] * fabsf(static_cast<float>(diagonal[half] - key));
+          for (int e = 0; e < 2; ++e) {
+            const int64_t key = first + nj * 8 + 2 * (lane % 4) + e;
+            float& s = acc_s[0][nj][2 * half + e];
+            if (modified) {
+              s *= p.softmax_scale;
+              if (p.softcap > 0.f) s = p.softcap * tanhf(s / p.softcap);
+              s -= slope[half] * fabsf(static_cast<float>(diagonal[half] - key));
+            }
+            bool visible = key < hi;
+            if (p.window_left >= 0) visible = visible && key >= diagonal[half] - p.window_left;
+            if (p.window_right >= 0) visible = visible && key <= diagonal[half] + p.window_right;
+            if (!visible) s = -INFINITY;
           }
-          bool visible = key < hi;
-          if (p.window_left >= 0) visible = visible && key >= diagonal[half] - p.window_left;
-          if (p.window_right >= 0) visible = visible && key <= diagonal[half] + p.window_right;
-          if (!visible) s = -INFINITY;
         }
       }
     }
@@ -348,14 +357,19 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   }
   __syncthreads();
 
+  // Per row, once: its merge weights (one row tile: the warps' parts weighted by exp(lse_w - lse), 0 for an empty
+  // row), its lse and where it goes; then each element is a sum over the warps in warp order (bitwise repeatable).
+  constexpr int kRows = 16 * kRowTiles;
+  float* weight_w = lse_w + kWarps * 16;           // [warp][row]
+  float* row_lse = weight_w + kWarps * 16;         // [row]
+  int64_t* out_row = reinterpret_cast<int64_t*>(row_lse + kRows);  // [row]: the row of out (and out_partial)
+  int64_t* lse_index = out_row + kRows;                            // [row]: its element of lse
   const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
-  for (int index = threadIdx.x; index < rows * kHeadDim; index += kThreads) {
-    const int r = index / kHeadDim, c = index % kHeadDim;
-    float value, row_lse;
+  if (threadIdx.x < rows) {
+    const int r = threadIdx.x;
     if constexpr (kShared) {  // row r is warp r / 16's alone
-      value = o_w[r * kHeadDim + c];
-      row_lse = lse_w[r];
-    } else {  // the warps' parts of row r, weighted by exp(lse_w - lse), summed in warp order (bitwise repeatable)
+      row_lse[r] = lse_w[r];
+    } else {
       float lse_max = -INFINITY;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) lse_max = fmaxf(lse_max, lse_w[w * 16 + r]);
@@ -364,21 +378,33 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) sum += expf(lse_w[w * 16 + r] - base);
       const bool empty = sum == 0.f;  // NaN (a NaN score) is not empty: it propagates
-      row_lse = empty ? -INFINITY : base + logf(sum);
-      value = 0.f;
-      if (!empty) {
+      const float lse_r = empty ? -INFINITY : base + logf(sum);
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) value += expf(lse_w[w * 16 + r] - row_lse) * o_w[(w * 16 + r) * kHeadDim + c];
-      }
+      for (int w = 0; w < kWarps; ++w) weight_w[w * 16 + r] = empty ? 0.f : expf(lse_w[w * 16 + r] - lse_r);
+      row_lse[r] = lse_r;
     }
     const int i = query_of(r), h = head_of(r);
-    const int64_t row = (int64_t{b} * p.seqlen_q + i) * p.heads_q + h;  // out's row order
+    out_row[r] = (int64_t{b} * p.seqlen_q + i) * p.heads_q + h;  // out's row order
+    lse_index[r] = (int64_t{b} * p.heads_q + h) * p.seqlen_q + i;
+  }
+  __syncthreads();
+  for (int index = threadIdx.x; index < rows * kHeadDim; index += kThreads) {
+    const int r = index / kHeadDim, c = index % kHeadDim;
+    float value;
+    if constexpr (kShared) {
+      value = o_w[r * kHeadDim + c];
+    } else {
+      value = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) value += weight_w[w * 16 + r] * o_w[(w * 16 + r) * kHeadDim + c];
+    }
+    const int64_t row = out_row[r];
     if (p.num_splits == 1) {
       static_cast<Element*>(p.out)[row * kHeadDim + c] = from_float<Element>(value);
-      if (c == 0) p.lse[(int64_t{b} * p.heads_q + h) * p.seqlen_q + i] = row_lse;
+      if (c == 0) p.lse[lse_index[r]] = row_lse[r];
     } else {
       p.out_partial[(split * rows_all + row) * kHeadDim + c] = value;
-      if (c == 0) p.lse_partial[split * rows_all + row] = row_lse;
+      if (c == 0) p.lse_partial[split * rows_all + row] = row_lse[r];
     }
   }
 }

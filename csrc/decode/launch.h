@@ -34,7 +34,8 @@ constexpr int stages(int head_dim) { return head_dim <= 64 ? 4 : head_dim <= 128
 // Dynamic shared memory: the Q tile, then the ring (reused for the warps' merge).
 constexpr int smem_bytes(int head_dim, int row_tiles) {
   const int ring = stages(head_dim) * 2 * kCtaKeys * head_dim * 2;
-  const int merge = kWarps * 16 * (head_dim + 1) * 4;
+  // The merge: the warps' O rows and lse, merge weights, per row its lse and two indices.
+  const int merge = kWarps * 16 * (head_dim + 2) * 4 + 16 * row_tiles * (4 + 16);
   return 16 * row_tiles * head_dim * 2 + (ring > merge ? ring : merge);
 }
 // CTAs one sm90 SM holds (227 KB of shared memory, 1 KB reserved per CTA).
