@@ -710,6 +710,19 @@ def test_decode_kernel_combinations(options):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256])
+@pytest.mark.parametrize("seqlen_q", [1, 16])
+def test_decode_long_walk_one_split(page_size, seqlen_q):
+    """One split over thousands of keys: each warp walks more than 32 slices (the paged copies read the block table
+    32 slices at a time), ending mid-page and mid-slice, with a window starting mid-slice."""
+    for window in ((-1, -1), (3001, 0)):
+        args, kwargs = case("cuda", torch.bfloat16, head_dim=128, heads_q=8, heads_kv=2, seqlen_q=seqlen_q,
+                            seqlen_new=seqlen_q, seqlen_cache=9000, cache_seqlens=(8100, 4417), page_size=page_size,
+                            causal=True, window_size=window)
+        check_call(args, dict(kwargs, num_splits=1))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [None, 16, 256])
 @pytest.mark.parametrize("seqlen_q", [1, 16])
 def test_decode_num_splits_agree_and_repeat(page_size, seqlen_q):

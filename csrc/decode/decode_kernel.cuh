@@ -51,6 +51,12 @@ __device__ __forceinline__ int64_t cache_offset(const DecodeParams& p, int b, in
   return base + int64_t{head} * p.cache_head_stride;
 }
 
+__device__ __forceinline__ int load_nc_int(const int32_t* address) {
+  int value;
+  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(value) : "l"(address));
+  return value;
+}
+
 // One warp's copy of keys [first, first + kWarpKeys) of K and V into a stage (rows at or past `end` are
 // zero-filled). Lane r < kWarpKeys finds row r's cache offset (through the block table when paged) once;
 // the lanes copying a row take it by shuffle. Consecutive lanes copy consecutive 16-byte chunks of a row.
@@ -171,6 +177,10 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   allow_dependent_launch();
 
   const int split = blockIdx.x, b = blockIdx.z;
+  // The sequence's length and start, read first: issued behind the CTA's copies, the read would wait for
+  // them (the asm keeps it ahead of the copies' asm).
+  const int seqlen_b = p.seqlens != nullptr ? load_nc_int(p.seqlens + b) : 0;
+  const int leftpad_b = p.leftpad != nullptr ? load_nc_int(p.leftpad + b) : 0;
   const int kv_head = blockIdx.y / p.row_chunks, chunk = blockIdx.y % p.row_chunks;
   const int group = p.heads_q / p.heads_kv;
   const int row0 = chunk * 16 * kRowTiles;
@@ -228,8 +238,8 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
 
   // This CTA's keys, sequence-relative (key 0 is cache position leftpad[b]): its split, narrowed to the band
   // of its rows' windows.
-  key_begin = p.leftpad != nullptr ? p.leftpad[b] : 0;
-  const int64_t len_k = (p.seqlens != nullptr ? int64_t{p.seqlens[b]} : p.capacity) + p.seqlen_new - key_begin;
+  key_begin = leftpad_b;
+  const int64_t len_k = (p.seqlens != nullptr ? int64_t{seqlen_b} : p.capacity) + p.seqlen_new - key_begin;
   const int64_t to_diagonal = len_k - p.seqlen_q;  // query i's causal mask ends at key i + to_diagonal
   int64_t hi = min(min(len_k, p.capacity - key_begin), lo + p.keys_per_split);
   if (p.window_left >= 0) lo = max(lo, query_of(0) + to_diagonal - p.window_left);
@@ -388,22 +398,34 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     lse_index[r] = (int64_t{b} * p.heads_q + h) * p.seqlen_q + i;
   }
   __syncthreads();
-  for (int index = threadIdx.x; index < rows * kHeadDim; index += kThreads) {
-    const int r = index / kHeadDim, c = index % kHeadDim;
-    float value;
+  // Four columns a thread: 16-byte shared reads and partial writes.
+  for (int index = threadIdx.x; index < rows * kHeadDim / 4; index += kThreads) {
+    const int r = index / (kHeadDim / 4), c = index % (kHeadDim / 4) * 4;
+    float4 value;
     if constexpr (kShared) {
-      value = o_w[r * kHeadDim + c];
+      value = *reinterpret_cast<const float4*>(o_w + r * kHeadDim + c);
     } else {
-      value = 0.f;
+      value = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) value += weight_w[w * 16 + r] * o_w[(w * 16 + r) * kHeadDim + c];
+      for (int w = 0; w < kWarps; ++w) {
+        const float weight = weight_w[w * 16 + r];
+        const float4 part = *reinterpret_cast<const float4*>(o_w + (w * 16 + r) * kHeadDim + c);
+        value.x += weight * part.x;
+        value.y += weight * part.y;
+        value.z += weight * part.z;
+        value.w += weight * part.w;
+      }
     }
     const int64_t row = out_row[r];
     if (p.num_splits == 1) {
-      static_cast<Element*>(p.out)[row * kHeadDim + c] = from_float<Element>(value);
+      Element* out = static_cast<Element*>(p.out) + row * kHeadDim + c;
+      out[0] = from_float<Element>(value.x);
+      out[1] = from_float<Element>(value.y);
+      out[2] = from_float<Element>(value.z);
+      out[3] = from_float<Element>(value.w);
       if (c == 0) p.lse[lse_index[r]] = row_lse[r];
     } else {
-      p.out_partial[(split * rows_all + row) * kHeadDim + c] = value;
+      *reinterpret_cast<float4*>(p.out_partial + (split * rows_all + row) * kHeadDim + c) = value;
       if (c == 0) p.lse_partial[split * rows_all + row] = row_lse[r];
     }
   }
