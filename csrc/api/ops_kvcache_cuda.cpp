@@ -57,10 +57,13 @@ std::optional<at::Tensor> int32_contiguous(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(t->to(at::kInt).contiguous()) : std::nullopt;
 }
 
-// Key splits: every resident CTA slot of the device filled once (more would be a second partial wave), in
-// whole CTA rounds of keys and at least four rounds (256 keys) a split: a CTA's fixed costs (its first copies,
-// the merge, the combine's share) stay a small part of its time (batch 1, 4k: 16 splits 14.1 us per call, 32
-// splits 15.6 us, H200); `requested` > 0 forces the number.
+// Key splits: at head dims 128 and 256 every SM given one CTA, at 64 every resident CTA slot (more would be a
+// second partial wave), in whole CTA rounds of keys and at least four rounds (256 keys) a split: a CTA's fixed
+// costs (its first copies, the merge, the combine's share) stay a small part of its time (batch 1, 4k: 16 splits
+// 14.1 us per call, 32 splits 15.6 us, H200). A second CTA on an SM shares its bandwidth and adds those costs:
+// hd128, H200, graph replay, one device call, batch 1 with 16 splits against 32 (two CTAs an SM): 8k 14.7 against
+// 16.2 us, 16k 22.8 / 24.0, 64k 69.6 / 72.0, 128k 127.8 / 130.5; batch 8 with 2 against 4: 16k 130.0 / 131.6, 64k
+// 474.4 / 482.0, 4k 40.4 / 39.9 (head dim 64 not measured). `requested` > 0 forces the number.
 std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_split, int64_t capacity,
                                       int head_dim, int rows, int num_sms) {
   const auto keys_per = [](int64_t keys, int64_t parts) {
@@ -71,7 +74,8 @@ std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_sp
     const int64_t splits = std::min<int64_t>(requested, decode::kMaxSplits);
     return {static_cast<int>(splits), keys_per(capacity, splits)};
   }
-  const int64_t slots = int64_t{num_sms} * decode::resident_ctas_per_sm(head_dim, decode::row_tiles(rows));
+  const int64_t per_sm = head_dim >= 128 ? 1 : decode::resident_ctas_per_sm(head_dim, decode::row_tiles(rows));
+  const int64_t slots = int64_t{num_sms} * per_sm;
   const int64_t wanted = std::max<int64_t>(1, slots / std::max<int64_t>(ctas_without_split, 1));
   const int64_t keys = std::max<int64_t>(4 * decode::kCtaKeys, keys_per(capacity, std::min<int64_t>(wanted, 256)));
   return {static_cast<int>((capacity + keys - 1) / keys), keys};
