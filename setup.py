@@ -105,6 +105,9 @@ def make_extension():
     if os.environ.get("FLASH_EXT_PTXAS_VERBOSE", "0") == "1":
         nvcc_flags.append("-Xptxas=-v")
     cxx_flags += ["-DFLASH_EXT_WITH_CUDA", f'-DFLASH_EXT_CUDA_ARCHS="{";".join(archs)}"']
+    if os.environ.get("FLASH_EXT_DECODE_TRACE", "0") == "1":  # timelines of the decode kernels (decode_trace.cuh)
+        nvcc_flags.append("-DFLASH_EXT_DECODE_TRACE")
+        cxx_flags.append("-DFLASH_EXT_DECODE_TRACE")
     return CUDAExtension(
         "flash_ext._C",
         sources,

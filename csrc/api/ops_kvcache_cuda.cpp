@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <tuple>
 #include <utility>
 
@@ -140,6 +141,12 @@ KvcacheResult run_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
   }
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
+#ifdef FLASH_EXT_DECODE_TRACE
+  // A developer's build (csrc/decode/decode_trace.cuh): the timeline buffer's address, read at every call.
+  if (const char* trace = std::getenv("FLASH_EXT_DECODE_TRACE_PTR")) {
+    p.trace = reinterpret_cast<unsigned long long*>(std::strtoull(trace, nullptr, 10));
+  }
+#endif
   run_attention_decode(p, q.scalar_type() == at::kBFloat16, c10::cuda::getCurrentCUDAStream().stream());
   return {out, lse};
 }

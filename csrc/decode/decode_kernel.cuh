@@ -32,6 +32,7 @@
 #include "../sm90/ptx_sm90.cuh"
 #include "../sm90/wgmma.cuh"
 #include "decode_params.h"
+#include "decode_trace.cuh"
 #include "launch.h"
 
 namespace flash_ext::decode {
@@ -175,6 +176,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
 
   // The combine kernel (a programmatic dependent) may launch now; it waits for this grid to finish.
   allow_dependent_launch();
+  trace_stamp(p, kTraceEntry);
 
   const int split = blockIdx.x, b = blockIdx.z;
   // The sequence's length and start, read first: issued behind the CTA's copies, the read would wait for
@@ -235,6 +237,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   // saving a round trip; the rows they hold past the sequence's end are zeroed once its length is known.
   const bool early = p.block_table == nullptr && p.leftpad == nullptr && p.window_left < 0;
   if (early) prologue(min(p.capacity, lo + p.keys_per_split));
+  trace_stamp(p, kTraceCopiesIssued);
 
   // This CTA's keys, sequence-relative (key 0 is cache position leftpad[b]): its split, narrowed to the band
   // of its rows' windows.
@@ -245,6 +248,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   if (p.window_left >= 0) lo = max(lo, query_of(0) + to_diagonal - p.window_left);
   if (p.window_right >= 0) hi = min(hi, query_of(rows - 1) + to_diagonal + p.window_right + 1);
   const int steps = steps_of(hi);
+  trace_stamp(p, kTraceLengthRead);
   if (!early) prologue(hi);
 
   // The rows this thread holds in the accumulator layout: lane / 4 and lane / 4 + 8 of its row tile.
@@ -274,11 +278,13 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   cp_async_wait<kStages - 1>();  // the Q tile's group (the slices' groups may still be in flight)
   if constexpr (kWgmma) copies_visible_to_wgmma();
   __syncthreads();
+  trace_stamp(p, kTraceQLanded);
 
   uint32_t q_lanes = 0;
   if constexpr (!kWgmma) q_lanes = a_lane_address<Rows>(q_tile, 16 * row_tile, 0);
   for (int step = 0; step < steps; ++step) {
     cp_async_wait<kStages - 2>();  // this thread's copies of `step`
+    if (step < 8) trace_stamp(p, kTraceStepLanded + 2 * step);
     if (early && step < kStages - 1 && slice_first(step) + kWarpKeys > hi) {
       zero_rows_from<kHeadDim, Rows>(smem + (own_rows(v_stage(step)) - q_tile), slice_first(step), hi, lane);
     }
@@ -337,6 +343,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
       }
     }
     softmax.template update<false>(acc_s, acc_o, scale_log2);
+    if (step < 8) trace_stamp(p, kTraceStepScored + 2 * step);
     uint32_t p_frag[1][kNTilesS / 2][4];
     accumulator_to_a_fragments<Element>(acc_s, p_frag);
     if constexpr (kWgmma) {
@@ -348,6 +355,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   cp_async_wait<0>();
   if constexpr (kWgmma) values_wgmma_wait<kHeadDim>(acc_o[0]);
 
+  trace_stamp(p, kTraceLoopDone);
   float lse[2];
   softmax.finalize(acc_o, lse_scale, lse);
 
@@ -366,6 +374,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
     if (lane % 4 == 0) lse_w[warp * 16 + r] = lse[half];
   }
   __syncthreads();
+  trace_stamp(p, kTraceRowsShared);
 
   // Per row, once: its merge weights (one row tile: the warps' parts weighted by exp(lse_w - lse), 0 for an empty
   // row), its lse and where it goes; then each element is a sum over the warps in warp order (bitwise repeatable).
@@ -429,6 +438,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
       if (c == 0) p.lse_partial[split * rows_all + row] = row_lse[r];
     }
   }
+  trace_stamp(p, kTraceWritten);
 }
 
 // Merges the splits of one (sequence, query, head) row per CTA, thread c taking column c: one pass over the splits
@@ -441,7 +451,9 @@ template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kCombineThreads) attention_decode_combine_kernel(const DecodeParams p) {
   constexpr int kChunk = 16;
   constexpr int kCols = (kHeadDim + kCombineThreads - 1) / kCombineThreads;
+  trace_combine_stamp(p, 0);
   wait_for_prerequisite_grid();
+  trace_combine_stamp(p, 1);
   const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
   const int64_t row = blockIdx.x;
   float run_max = -INFINITY, sum = 0.f, value[kCols] = {};
@@ -485,6 +497,7 @@ __global__ void __launch_bounds__(kCombineThreads) attention_decode_combine_kern
     const int64_t h = row % p.heads_q, i = (row / p.heads_q) % p.seqlen_q, b = row / (int64_t{p.heads_q} * p.seqlen_q);
     p.lse[(b * p.heads_q + h) * p.seqlen_q + i] = empty ? -INFINITY : base + logf(sum);
   }
+  trace_combine_stamp(p, 2);
 }
 
 }  // namespace flash_ext::decode

@@ -36,6 +36,7 @@ struct DecodeParams {
   float* lse_partial = nullptr;  // [num_splits][batch * seqlen_q * heads_q], natural log; -inf: no key
   void* out = nullptr;           // (batch, seqlen_q, heads_q, head_dim), contiguous
   float* lse = nullptr;          // (batch, heads_q, seqlen_q)
+  unsigned long long* trace = nullptr;  // FLASH_EXT_DECODE_TRACE builds: the timeline buffer (decode_trace.cuh)
 };
 
 }  // namespace flash_ext
