@@ -198,6 +198,20 @@ def test_cache_lengths(device, page_size, seqlen_new, dtype):
                          seqlen_new=seqlen_new, cache_seqlens=lengths, causal=True, head_dim=16))
 
 
+@parametrize_devices(
+    cpu=dict(page_size=PAGES, dtype=[None]),
+    cuda=dict(page_size=PAGES, dtype=[torch.bfloat16]),
+)
+def test_cache_of_128k_keys(device, page_size, dtype):
+    """A cache of 128k keys: one query token against it, and four with their keys appended, the sequences ending
+    mid-page, one at the end of the cache (on CUDA the decode kernel's automatic splits)."""
+    full = 128 * 1024
+    for seqlen_q, seqlen_new, lengths in [(1, None, (full, 70001)), (4, 4, (full - 4, 65537))]:
+        check_call(*case(device, dtype, batch=2, seqlen_cache=full, page_size=page_size, seqlen_q=seqlen_q,
+                         seqlen_new=seqlen_new, heads_q=4, heads_kv=1, head_dim=64, cache_seqlens=lengths,
+                         causal=True))
+
+
 COMBINATIONS = {
     "paged16-leftpad-new-rotary-causal-gqa": dict(page_size=16, leftpad=(3, 16), cache_seqlens=(20, 33),
                                                   rotary_dim=32, causal=True),

@@ -52,6 +52,8 @@ __device__ __forceinline__ int64_t cache_offset(const DecodeParams& p, int b, in
   return base + int64_t{head} * p.cache_head_stride;
 }
 
+// A 32-bit read through the read-only path, written as an asm volatile so that it keeps its place among the
+// copies' asm (the compiler may not sink it behind them).
 __device__ __forceinline__ int load_nc_int(const int32_t* address) {
   int value;
   asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(value) : "l"(address));
