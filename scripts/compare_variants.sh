@@ -7,12 +7,14 @@
 # --features, benchmarks/bench_features.py (varlen, window, softcap, ALiBi, dropout) runs after the
 # table (--features=score_mods: only some of its groups, a comma list, see its --only); with --decode,
 # benchmarks/bench_decode.py (BENCH ARGS are then its arguments) replaces bench_attention.py; with --decode-step,
-# benchmarks/bench_decode_step.py (a generation step with its append; no arguments). Versions measured in
+# benchmarks/bench_decode_step.py (a generation step with its append; no arguments); with --probe,
+# scripts/decode_probe.py (BENCH ARGS are then its arguments; no json). Versions measured in
 # one call share the GPU's state (clocks, temperature), so their differences are more telling than numbers
 # from separate calls. Two files per version come back: $OUT/<name>.txt (build status, ptxas summary, test
 # line, tables) and $OUT/<name>.json (bench_attention.py's rows).
 #
-#   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [--decode | --decode-step] [-- BENCH ARGS]
+#   bash scripts/compare_variants.sh [--tests [--sanitize]] [--features[=GROUPS]] [--decode | --decode-step | --probe]
+#                                    [-- BENCH ARGS]
 #   default BENCH ARGS: --head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash
 #
 # Every version is built (and tested) first; then the benchmark runs ROUNDS times (default 1), the versions
@@ -35,6 +37,7 @@ TESTS=0
 SANITIZE=0
 FEATURES=0
 FEATURE_GROUPS=varlen,window,score_mods
+JSON=1
 BENCH_ARGS=(--head-dims 64,128,256 --seqlens 8192 --ops fwd,bwd --impls flash_ext,sdpa_flash)
 BENCH=benchmarks/bench_attention.py
 BENCH_LINES="^(op |-{8}|fwd |bwd |fwd_bwd |TFLOP)"
@@ -46,6 +49,7 @@ while [ $# -gt 0 ]; do
     --features=*) FEATURES=1; FEATURE_GROUPS=${1#--features=} ;;
     --decode) BENCH=benchmarks/bench_decode.py; BENCH_ARGS=(); BENCH_LINES="." ;;
     --decode-step) BENCH=benchmarks/bench_decode_step.py; BENCH_ARGS=(); BENCH_LINES="." ;;
+    --probe) BENCH=scripts/decode_probe.py; BENCH_ARGS=(); BENCH_LINES="."; JSON=0 ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "compare_variants.sh: unknown argument $1" >&2; exit 64 ;;
   esac
@@ -105,7 +109,9 @@ bench() {  # name dir round
   (
     cd "$dir" || exit 1
     echo "-- $name, round $round"
-    PYTHONPATH="$PWD" timeout 300 "$PY" "$BENCH" "${BENCH_ARGS[@]}" --json "$json" 2>&1 |
+    local json_args=()
+    [ "$JSON" = 1 ] && json_args=(--json "$json")
+    PYTHONPATH="$PWD" timeout 300 "$PY" "$BENCH" "${BENCH_ARGS[@]}" "${json_args[@]}" 2>&1 |
       grep -E "$BENCH_LINES"
     if [ "$FEATURES" = 1 ]; then
       # shellcheck disable=SC2086  # FEATURE_ARGS: words
