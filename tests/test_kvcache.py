@@ -785,3 +785,33 @@ def test_decode_ignores_nan_past_each_sequence(page_size, seqlen_q, splits):
         poisoned = flash_ext.attention_with_kvcache(q, k_cache, v_cache, num_splits=splits, return_lse=True, **kwargs)
     assert torch.isfinite(poisoned[0]).all()
     assert torch.equal(poisoned[0], clean[0]) and torch.equal(poisoned[1], clean[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_decode_ignores_nan_below_the_window(page_size, seqlen_q, splits):
+    """With a sliding window, cache entries below every query's window (and past each sequence) hold NaN: the output
+    is bitwise that of the clean cache. The windows start mid-slice (a decode CTA's copies begin at a whole slice, and
+    the keys it copied below the window are masked and their values zeroed)."""
+    lengths, window = (650, 237), 101
+    args, kwargs = case("cuda", torch.bfloat16, head_dim=128, heads_q=8, heads_kv=2, seqlen_q=seqlen_q,
+                        seqlen_new=None, seqlen_cache=704, cache_seqlens=lengths, page_size=page_size, causal=True,
+                        window_size=(window, 0))
+    q, k_cache, v_cache = args
+    with torch.no_grad():
+        clean = flash_ext.attention_with_kvcache(q, k_cache, v_cache, num_splits=splits, return_lse=True, **kwargs)
+    capacity = 704 if page_size is None else kwargs["block_table"].shape[1] * page_size
+    for b, length in enumerate(lengths):
+        lowest_seen = length - seqlen_q - window  # query 0's diagonal, less the window
+        for pos in [*range(0, lowest_seen), *range(length, capacity)]:
+            if page_size is None:
+                k_cache[b, pos], v_cache[b, pos] = float("nan"), float("nan")
+            else:
+                block = int(kwargs["block_table"][b, pos // page_size])
+                k_cache[block, pos % page_size], v_cache[block, pos % page_size] = float("nan"), float("nan")
+    with torch.no_grad():
+        poisoned = flash_ext.attention_with_kvcache(q, k_cache, v_cache, num_splits=splits, return_lse=True, **kwargs)
+    assert torch.isfinite(poisoned[0]).all()
+    assert torch.equal(poisoned[0], clean[0]) and torch.equal(poisoned[1], clean[1])
