@@ -1,6 +1,6 @@
 """Times flash_ext.attention_with_kvcache at a few decode points with the split count forced, to see where a
 point's time goes (bf16, head_dim 128, 32 query heads / 8 KV heads, one query token or --seqlen-q of them,
-contiguous cache).
+a contiguous cache or --page-size pages).
 
     python scripts/decode_probe.py --points 1x4k,1x16k --splits 0,8,16,32,64
     python scripts/decode_probe.py --points 1x4k,1x64k --splits 0,16,32,64 --seqlen-q 16   # speculative decoding
@@ -28,17 +28,23 @@ def parse_point(text):
     return int(batch), int(float(kv[:-1]) * 1024) if kv.endswith("k") else int(kv)
 
 
-def calls_for(batch, kv_len, splits, seqlen_q=1):
+def calls_for(batch, kv_len, splits, seqlen_q=1, page_size=0):
     nbytes = 2 * batch * kv_len * HEADS_KV * HEAD_DIM * 2
     sets = max(1, min(32, -(-(256 << 20) // nbytes)))
     calls = []
     for _ in range(sets):
         q = torch.randn(batch, seqlen_q, HEADS_Q, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        k = torch.randn(batch, kv_len, HEADS_KV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn_like(k)
         seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
-        calls.append(lambda q=q, k=k, v=v, s=seqlens: flash_ext.attention_with_kvcache(
-            q, k, v, cache_seqlens=s, causal=True, num_splits=splits))
+        paged = {}
+        if page_size:  # pages in a shuffled order, as bench_decode.py's
+            pages = batch * -(-kv_len // page_size)
+            k = torch.randn(pages, page_size, HEADS_KV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+            paged["block_table"] = torch.randperm(pages, device="cuda", dtype=torch.int32).view(batch, -1)
+        else:
+            k = torch.randn(batch, kv_len, HEADS_KV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        calls.append(lambda q=q, k=k, v=v, s=seqlens, paged=paged: flash_ext.attention_with_kvcache(
+            q, k, v, cache_seqlens=s, causal=True, num_splits=splits, **paged))
     return calls, nbytes
 
 
@@ -70,11 +76,12 @@ def main():
     p.add_argument("--points", default="1x4k,1x16k,1x128k,8x4k")
     p.add_argument("--splits", default="0,8,16,32,64,128")
     p.add_argument("--seqlen-q", type=int, default=1, help="query tokens per sequence (speculative decoding: 4, 16)")
+    p.add_argument("--page-size", type=int, default=0, help="a paged cache of pages this size (0: contiguous)")
     p.add_argument("--ncu", metavar="POINTS", help="run these points a few times eagerly (for a profiler), then exit")
     args = p.parse_args()
     if args.ncu:
         for point in args.ncu.split(","):
-            calls, _ = calls_for(*parse_point(point), 0, args.seqlen_q)
+            calls, _ = calls_for(*parse_point(point), 0, args.seqlen_q, args.page_size)
             for _ in range(3):
                 calls[0]()
         torch.cuda.synchronize()
@@ -84,7 +91,7 @@ def main():
     for point in args.points.split(","):
         cells = []
         for s in splits:
-            calls, nbytes = calls_for(*parse_point(point), s, args.seqlen_q)
+            calls, nbytes = calls_for(*parse_point(point), s, args.seqlen_q, args.page_size)
             us = graph_time_us(calls)
             cells.append(f"{us:7.1f} {nbytes / us / 1e6:5.2f}  ")
             del calls

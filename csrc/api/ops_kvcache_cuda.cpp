@@ -64,9 +64,12 @@ std::optional<at::Tensor> int32_contiguous(const std::optional<at::Tensor>& t) {
 // 14.1 us per call, 32 splits 15.6 us, H200). A second CTA on an SM shares its bandwidth and adds those costs:
 // hd128, H200, graph replay, one device call, batch 1 with 16 splits against 32 (two CTAs an SM): 8k 14.7 against
 // 16.2 us, 16k 22.8 / 24.0, 64k 69.6 / 72.0, 128k 127.8 / 130.5; batch 8 with 2 against 4: 16k 130.0 / 131.6, 64k
-// 474.4 / 482.0, 4k 40.4 / 39.9 (head dim 64 not measured). `requested` > 0 forces the number.
+// 474.4 / 482.0, 4k 40.4 / 39.9 (head dim 64 not measured). Pages of fewer than 64 keys keep every resident slot:
+// each slice comes from a page elsewhere in memory, and a second CTA's copies in flight hide more of that (bench_decode,
+// H200, graph replay, page 16, one CTA an SM against two: batch 8 16k 3.47 against 3.78 TB/s, 64k 3.89 / 4.27, 128k
+// 3.94 / 4.43; batch 1 64k 3.22 / 3.28, 128k 3.61 / 3.74; page 256 as contiguous). `requested` > 0 forces the number.
 std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_split, int64_t capacity,
-                                      int head_dim, int rows, int num_sms) {
+                                      int head_dim, int rows, int page_size, int num_sms) {
   const auto keys_per = [](int64_t keys, int64_t parts) {
     const int64_t round = decode::kCtaKeys;
     return std::max<int64_t>(round, ((keys + parts - 1) / parts + round - 1) / round * round);
@@ -75,7 +78,9 @@ std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_sp
     const int64_t splits = std::min<int64_t>(requested, decode::kMaxSplits);
     return {static_cast<int>(splits), keys_per(capacity, splits)};
   }
-  const int64_t per_sm = head_dim >= 128 ? 1 : decode::resident_ctas_per_sm(head_dim, decode::row_tiles(rows));
+  const bool small_pages = page_size > 0 && page_size < 64;
+  const int64_t per_sm =
+      head_dim >= 128 && !small_pages ? 1 : decode::resident_ctas_per_sm(head_dim, decode::row_tiles(rows));
   const int64_t slots = int64_t{num_sms} * per_sm;
   const int64_t wanted = std::max<int64_t>(1, slots / std::max<int64_t>(ctas_without_split, 1));
   const int64_t keys = std::max<int64_t>(4 * decode::kCtaKeys, keys_per(capacity, std::min<int64_t>(wanted, 256)));
@@ -130,7 +135,7 @@ KvcacheResult run_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int rows = p.heads_q / p.heads_kv * p.seqlen_q;
   p.row_chunks = (rows + decode::rows_per_cta(rows) - 1) / decode::rows_per_cta(rows);
   std::tie(p.num_splits, p.keys_per_split) =
-      decode_splits(num_splits, int64_t{batch} * p.heads_kv * p.row_chunks, capacity, p.head_dim, rows,
+      decode_splits(num_splits, int64_t{batch} * p.heads_kv * p.row_chunks, capacity, p.head_dim, rows, p.page_size,
                     device_info(q.device().index()).num_sms);
   at::Tensor out_partial, lse_partial;
   if (p.num_splits > 1) {
