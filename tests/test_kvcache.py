@@ -580,13 +580,15 @@ def test_prefill_against_the_reference(head_dim, layout, options):
     check_call(*prefill_case(head_dim, layout, **options))
 
 
-def poison_unused_entries(k_cache, v_cache, kwargs, lengths):
-    """NaN in every cache entry that no sequence uses: positions outside [leftpad[b], lengths[b]) of sequence b's
-    row or pages, and rows or pages of no sequence."""
+def poison_unused_entries(k_cache, v_cache, kwargs, lengths, starts=None):
+    """NaN in every cache entry that no sequence uses: positions outside [starts[b], lengths[b]) of sequence b's
+    row or pages (starts: leftpad[b] unless given), and rows or pages of no sequence."""
     used = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
     leftpad = kwargs.get("cache_leftpad")
+    if starts is None:
+        starts = [0 if leftpad is None else int(leftpad[b]) for b in range(len(lengths))]
     for b, length in enumerate(lengths):
-        positions = torch.arange(0 if leftpad is None else int(leftpad[b]), length)
+        positions = torch.arange(starts[b], length)
         if "block_table" in kwargs:
             page_size = k_cache.shape[1]
             used[kwargs["block_table"][b].cpu().long()[positions // page_size], positions % page_size] = True
@@ -773,14 +775,7 @@ def test_decode_ignores_nan_past_each_sequence(page_size, seqlen_q, splits):
     q, k_cache, v_cache = args
     with torch.no_grad():
         clean = flash_ext.attention_with_kvcache(q, k_cache, v_cache, num_splits=splits, return_lse=True, **kwargs)
-    capacity = 700 if page_size is None else kwargs["block_table"].shape[1] * page_size
-    for b, length in enumerate((650, 37)):
-        for pos in range(length, capacity):
-            if page_size is None:
-                k_cache[b, pos], v_cache[b, pos] = float("nan"), float("nan")
-            else:
-                block = int(kwargs["block_table"][b, pos // page_size])
-                k_cache[block, pos % page_size], v_cache[block, pos % page_size] = float("nan"), float("nan")
+    poison_unused_entries(k_cache, v_cache, kwargs, (650, 37))
     with torch.no_grad():
         poisoned = flash_ext.attention_with_kvcache(q, k_cache, v_cache, num_splits=splits, return_lse=True, **kwargs)
     assert torch.isfinite(poisoned[0]).all()
@@ -793,8 +788,8 @@ def test_decode_ignores_nan_past_each_sequence(page_size, seqlen_q, splits):
 @pytest.mark.parametrize("splits", [0, 1, 3])
 def test_decode_ignores_nan_below_the_window(page_size, seqlen_q, splits):
     """With a sliding window, cache entries below every query's window (and past each sequence) hold NaN: the output
-    is bitwise that of the clean cache. The windows start mid-slice (a decode CTA's copies begin at a whole slice, and
-    the keys it copied below the window are masked and their values zeroed)."""
+    is bitwise that of the clean cache. The windows start mid-slice: a kernel copying whole slices must keep the
+    keys below the window out of the output."""
     lengths, window = (650, 237), 101
     args, kwargs = case("cuda", torch.bfloat16, head_dim=128, heads_q=8, heads_kv=2, seqlen_q=seqlen_q,
                         seqlen_new=None, seqlen_cache=704, cache_seqlens=lengths, page_size=page_size, causal=True,
@@ -802,15 +797,8 @@ def test_decode_ignores_nan_below_the_window(page_size, seqlen_q, splits):
     q, k_cache, v_cache = args
     with torch.no_grad():
         clean = flash_ext.attention_with_kvcache(q, k_cache, v_cache, num_splits=splits, return_lse=True, **kwargs)
-    capacity = 704 if page_size is None else kwargs["block_table"].shape[1] * page_size
-    for b, length in enumerate(lengths):
-        lowest_seen = length - seqlen_q - window  # query 0's diagonal, less the window
-        for pos in [*range(0, lowest_seen), *range(length, capacity)]:
-            if page_size is None:
-                k_cache[b, pos], v_cache[b, pos] = float("nan"), float("nan")
-            else:
-                block = int(kwargs["block_table"][b, pos // page_size])
-                k_cache[block, pos % page_size], v_cache[block, pos % page_size] = float("nan"), float("nan")
+    # Query 0's diagonal, less the window: the lowest key any query sees.
+    poison_unused_entries(k_cache, v_cache, kwargs, lengths, starts=[n - seqlen_q - window for n in lengths])
     with torch.no_grad():
         poisoned = flash_ext.attention_with_kvcache(q, k_cache, v_cache, num_splits=splits, return_lse=True, **kwargs)
     assert torch.isfinite(poisoned[0]).all()
