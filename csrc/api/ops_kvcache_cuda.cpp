@@ -58,18 +58,12 @@ std::optional<at::Tensor> int32_contiguous(const std::optional<at::Tensor>& t) {
   return t.has_value() ? std::optional<at::Tensor>(t->to(at::kInt).contiguous()) : std::nullopt;
 }
 
-// Key splits: at head dims 128 and 256 every SM given one CTA, at 64 (and with pages of fewer than 64 keys) every
-// resident CTA slot (more would be a second partial wave), in whole CTA rounds of keys and at least four rounds (256
-// keys) a split: a CTA's fixed costs (its first copies, the merge, the combine's share) stay a small part of its
-// time (batch 1, 4k: 16 splits 14.1 us per call, 32 splits 15.6 us, H200). A second CTA on an SM shares its bandwidth and adds those costs:
-// hd128, H200, graph replay, one device call, batch 1 with 16 splits against 32 (two CTAs an SM): 8k 14.7 against
-// 16.2 us, 16k 22.8 / 24.0, 64k 69.6 / 72.0, 128k 127.8 / 130.5; batch 8 with 2 against 4: 16k 130.0 / 131.6, 64k
-// 474.4 / 482.0, 4k 40.4 / 39.9 (head dim 64 not measured). Pages of fewer than 64 keys keep every resident slot:
-// each slice comes from a page elsewhere in memory, and a second CTA's copies in flight hide more of that (hd128,
-// H200, graph replay, one device call, one CTA an SM against two: page 16, batch 8 (2 against 4 splits) 16k 150.1
-// against 137.2 us, 64k 550.1 / 508.3, 128k 1093.0 / 992.1, batch 1 (16 against 32) 64k 77.3 / 74.9, 128k 144.5 /
-// 136.5; page 32, batch 8 16k 138.4 / 133.8, 64k 518.7 / 498.0, 128k 1015.7 / 982.5, batch 1 64k 77.6 / 78.1, 128k
-// 140.1 / 139.1; pages of 256 run as fast as a contiguous cache). `requested` > 0 forces the number.
+// Key splits, in whole CTA rounds of keys and at least four rounds (256 keys) a split, so that a CTA's fixed costs
+// (its first copies, the merge, its share of the combine) stay a small part of its time. CTAs an SM gets: one at head
+// dims 128 and 256 (a second CTA's split shares the SM's bandwidth and adds those fixed costs); every resident slot
+// at head dim 64 (more would be a second partial wave) and with pages of fewer than 64 keys, where every slice comes
+// from a page elsewhere in memory and a second CTA's copies in flight hide more of that. The measurements behind
+// both: docs/performance.md (decode). `requested` > 0 forces the number.
 std::pair<int, int64_t> decode_splits(int64_t requested, int64_t ctas_without_split, int64_t capacity,
                                       int head_dim, int rows, int page_size, int num_sms) {
   const auto keys_per = [](int64_t keys, int64_t parts) {
