@@ -50,10 +50,13 @@ bandwidth, contiguous and paged alike, and paged within 5% of contiguous; 3. bat
 replay; 4. seqlen_q 4 and 16 take <= 1.2x the time of seqlen_q 1; 5. the paged prefill (page 256, the 2048 new
 keys appended) within 10% of flash_ext.attention's TFLOP/s.
 
-Timing: triton.testing.do_bench medians (L2 flushed before each run), --warmup-ms / --rep-ms per measurement;
+Timing: medians of CUDA-event timed runs, the L2 emptied before each run by reading a 256 MiB buffer (--flush read;
+--flush write zeroes it, triton.testing.do_bench's way, which leaves the L2 full of dirty lines that are written
+back while the timed call reads: HBM traffic of the benchmark's, not the kernel's), --warmup-ms / --rep-ms per
+measurement;
 a cache under 256 MiB is timed as one run of calls over as many distinct copies as make 256 MiB (at most 32;
 the time per call is reported; eager: the calls back to back, graph: all of them in one graph), so that no call
-reads a cache the L2 still holds and the flush's write-back of dirty lines is shared among the calls;
+reads a cache the L2 still holds (with --flush write, the calls also share the flush's write-back);
 points whose K + V exceed --max-kv-gib (default 40: 128k x 64 is 32 GiB) are skipped; --time-budget-s stops
 starting measurements (rows so far kept; the JSON is rewritten after every point). Before timing, a correctness
 smoke compares flash_ext (and FA4) with an fp32 reference at every (page size, seqlen_q) measured and on the
@@ -178,8 +181,10 @@ def build_parser():
     p.add_argument("--prefill-rounds", type=int, default=3,
                    help="interleaved rounds of the prefill points; each row keeps its median (default 3)")
     p.add_argument("--max-kv-gib", type=float, default=40.0, help="skip points whose K + V cache is larger (GiB)")
-    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warmup per measurement (default 10)")
-    p.add_argument("--rep-ms", type=float, default=50.0, help="do_bench rep time per measurement (default 50)")
+    p.add_argument("--flush", choices=("read", "write"), default="read",
+                   help="how the L2 is emptied before each timed run (default read: see Timing above)")
+    p.add_argument("--warmup-ms", type=float, default=10.0, help="warmup per measurement (default 10)")
+    p.add_argument("--rep-ms", type=float, default=50.0, help="timed runs' total per measurement (default 50)")
     p.add_argument("--time-budget-s", type=float, default=220.0,
                    help="stop starting measurements after this many seconds (default 220; rows so far are kept)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
@@ -271,9 +276,11 @@ def header_line(data):
     fa4 = f", FA4 {data['fa4']}" if data.get("fa4") else ""
     bw = data.get("read_bandwidth_tb_per_s")
     bw = f"; the device's read bandwidth in the same run (a 1 GiB bf16 sum): {bw:.2f} TB/s" if bw else ""
+    # Runs before the field existed emptied the L2 by writing (do_bench).
+    flush = {"read": "; L2 emptied by a read", "write": "; L2 emptied by a write (do_bench)"}[data.get("l2_flush", "write")]
     return (f"bf16, head dim {data.get('head_dim', HEAD_DIM)}, {data.get('heads_q', HEADS_Q)} query heads sharing "
             f"{data.get('heads_kv', HEADS_KV)} KV heads ({data.get('gpu', 'unknown GPU')}, torch "
-            f"{data.get('torch', '?')}{cudnn}{fa4}, {date}, commit `{data.get('commit', 'unknown')}`){bw}.")
+            f"{data.get('torch', '?')}{cudnn}{fa4}, {date}, commit `{data.get('commit', 'unknown')}`){bw}{flush}.")
 
 
 def targets(data):
@@ -559,7 +566,7 @@ class Bench:
     def __init__(self, args, torch):
         self.args, self.torch = args, torch
         self.dev = "cuda"
-        self.timer = make_timer(torch)
+        self.timer = make_timer(torch, flush=args.flush)
         self.start = time.time()
         self.notes = []  # for the JSON (and the doc): what was not measured, and why
         self.failures = {}  # (what, error) -> [where]
@@ -978,7 +985,7 @@ def main(argv=None):
         "read_bandwidth_tb_per_s": None, "heads_q": HEADS_Q, "heads_kv": HEADS_KV, "head_dim": HEAD_DIM,
         "dtype": "bf16", "seqlen_q": 1, "fa4": getattr(bench, "fa4_version", None),
         "page_sizes": args.page_sizes, "seqlens_q": args.seqlens_q, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
-        "rows": rows, "prefill": prefill, "notes": [],
+        "l2_flush": args.flush, "rows": rows, "prefill": prefill, "notes": [],
     }
     for kv_len, batch in skipped:
         bench.note(f"{size_label(kv_len)} x {batch} not measured: its KV ({kv_bytes(batch, kv_len) / 2 ** 30:.0f} GiB) "
