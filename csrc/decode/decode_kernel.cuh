@@ -454,63 +454,50 @@ __global__ void __launch_bounds__(kCombineThreads) attention_decode_combine_kern
   constexpr int kChunk = 16;
   constexpr int kCols = (kHeadDim + kCombineThreads - 1) / kCombineThreads;
   trace_combine_stamp(p, 0);
+  wait_for_prerequisite_grid();
+  trace_combine_stamp(p, 1);
   const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
   const int64_t row = blockIdx.x;
-  // Two passes of the same code: pass 0 runs while the decode grid still works, reading and writing nothing, so
-  // that pass 1, after the wait, finds its instructions in the instruction cache instead of fetching them cold.
-#pragma unroll 1
-  for (int pass = 0; pass < 2; ++pass) {
-    // (Opaque to the compiler, which would otherwise give pass 0 code of its own.)
-    int live_pass;
-    asm volatile("mov.b32 %0, %1;\n" : "=r"(live_pass) : "r"(pass));
-    const bool live = live_pass == 1;
-    float run_max = -INFINITY, sum = 0.f, value[kCols] = {};
-    for (int first = 0; first < p.num_splits; first += kChunk) {
-      float lse[kChunk], part[kChunk][kCols];
+  float run_max = -INFINITY, sum = 0.f, value[kCols] = {};
+  for (int first = 0; first < p.num_splits; first += kChunk) {
+    float lse[kChunk], part[kChunk][kCols];
 #pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        const int s = first + j < p.num_splits ? first + j : p.num_splits - 1;
-        lse[j] = live && first + j < p.num_splits ? p.lse_partial[s * rows_all + row] : -INFINITY;
+    for (int j = 0; j < kChunk; ++j) {
+      const int s = first + j < p.num_splits ? first + j : p.num_splits - 1;
+      lse[j] = first + j < p.num_splits ? p.lse_partial[s * rows_all + row] : -INFINITY;
 #pragma unroll
-        for (int i = 0; i < kCols; ++i) {
-          const int c = threadIdx.x + i * kCombineThreads;
-          part[j][i] = live && c < kHeadDim ? p.out_partial[(s * rows_all + row) * kHeadDim + c] : 0.f;
-        }
-      }
-      float chunk_max = run_max;
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) chunk_max = fmaxf(chunk_max, lse[j]);
-      const float base = chunk_max == -INFINITY ? 0.f : chunk_max;
-      const float rescale = expf(run_max - base);  // 0 while nothing was summed
-      sum *= rescale;
-#pragma unroll
-      for (int i = 0; i < kCols; ++i) value[i] *= rescale;
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        const float weight = expf(lse[j] - base);
-        sum += weight;
-#pragma unroll
-        for (int i = 0; i < kCols; ++i) value[i] += weight * part[j][i];
-      }
-      run_max = chunk_max;
-    }
-    const bool empty = sum == 0.f;  // NaN (a NaN score) is not empty: it propagates
-    const float base = run_max == -INFINITY ? 0.f : run_max;
-#pragma unroll
-    for (int i = 0; i < kCols; ++i) {
-      const int c = threadIdx.x + i * kCombineThreads;
-      if (live && c < kHeadDim) {
-        static_cast<Element*>(p.out)[row * kHeadDim + c] = from_float<Element>(empty ? 0.f : value[i] / sum);
+      for (int i = 0; i < kCols; ++i) {
+        const int c = threadIdx.x + i * kCombineThreads;
+        part[j][i] = c < kHeadDim ? p.out_partial[(s * rows_all + row) * kHeadDim + c] : 0.f;
       }
     }
-    if (live && threadIdx.x == 0) {
-      const int64_t h = row % p.heads_q, i = (row / p.heads_q) % p.seqlen_q, b = row / (int64_t{p.heads_q} * p.seqlen_q);
-      p.lse[(b * p.heads_q + h) * p.seqlen_q + i] = empty ? -INFINITY : base + logf(sum);
+    float chunk_max = run_max;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) chunk_max = fmaxf(chunk_max, lse[j]);
+    const float base = chunk_max == -INFINITY ? 0.f : chunk_max;
+    const float rescale = expf(run_max - base);  // 0 while nothing was summed
+    sum *= rescale;
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) value[i] *= rescale;
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const float weight = expf(lse[j] - base);
+      sum += weight;
+#pragma unroll
+      for (int i = 0; i < kCols; ++i) value[i] += weight * part[j][i];
     }
-    if (!live) {
-      wait_for_prerequisite_grid();
-      trace_combine_stamp(p, 1);
-    }
+    run_max = chunk_max;
+  }
+  const bool empty = sum == 0.f;  // NaN (a NaN score) is not empty: it propagates
+  const float base = run_max == -INFINITY ? 0.f : run_max;
+#pragma unroll
+  for (int i = 0; i < kCols; ++i) {
+    const int c = threadIdx.x + i * kCombineThreads;
+    if (c < kHeadDim) static_cast<Element*>(p.out)[row * kHeadDim + c] = from_float<Element>(empty ? 0.f : value[i] / sum);
+  }
+  if (threadIdx.x == 0) {
+    const int64_t h = row % p.heads_q, i = (row / p.heads_q) % p.seqlen_q, b = row / (int64_t{p.heads_q} * p.seqlen_q);
+    p.lse[(b * p.heads_q + h) * p.seqlen_q + i] = empty ? -INFINITY : base + logf(sum);
   }
   trace_combine_stamp(p, 2);
 }
