@@ -115,8 +115,6 @@ KvcacheResult run_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
   if (leftpad_i.has_value()) p.leftpad = leftpad_i->data_ptr<int32_t>();
   p.seqlen_new = static_cast<int>(seqlen_new);
   p.capacity = capacity;
-  p.cache_rows = k_cache.size(0);
-  p.cache_positions = k_cache.size(1);
   p.batch = static_cast<int>(batch);
   p.seqlen_q = static_cast<int>(seqlen_q);
   p.heads_q = static_cast<int>(heads_q);

@@ -48,17 +48,6 @@ struct PaddedRows {
   }
 };
 
-// A lane address with its 16-byte chunk bits XORed by `chunks` (a move within a 128-byte line of a swizzled
-// layout). An asm volatile, so that it stays where the move is written (once per k-step in the GEMMs,
-// warp_gemm.cuh) rather than XORed copies of every lane address being hoisted and kept live across the main
-// loop. (A plain `^` gives the shipped kernels the same ptxas spills, but their timings are of this form.)
-__device__ __forceinline__ uint32_t xor_chunks(uint32_t address, int chunks) {
-  if (chunks == 0) return address;
-  uint32_t moved;
-  asm volatile("xor.b32 %0, %1, %2;\n" : "=r"(moved) : "r"(address), "r"(chunks * 16));
-  return moved;
-}
-
 template <int kCols>
 struct SwizzledRows {
   static constexpr int kRowBytes = kCols * 2;
@@ -71,7 +60,10 @@ struct SwizzledRows {
     const int stored_chunk = (chunk & ~7) | ((chunk ^ row) & 7);
     return static_cast<uint32_t>(row * kRowBytes + stored_chunk * 16 + (col % 8) * 2);
   }
-  // One move; an XOR where the column move is not a whole number of lines.
+  // One move; an XOR where the column move is not a whole number of lines. The XOR is an asm volatile,
+  // so it stays where the move is written (once per k-step in the GEMMs, warp_gemm.cuh) rather than
+  // XORed copies of every lane address being hoisted and kept live across the main loop. (A plain `^`
+  // gives the shipped kernels the same ptxas spills, but their timings are of this form.)
   __device__ __forceinline__ static uint32_t move(uint32_t address, int rows, int cols) {
     const int chunks = cols / 8;
     return xor_chunks(address, chunks & 7) + static_cast<uint32_t>((chunks & ~7) * 16 + rows * kRowBytes);
@@ -90,6 +82,14 @@ struct SwizzledRows {
     const int chunks = cols / 8;
     return lane.address[(chunks & 7) / 2] + static_cast<uint32_t>((chunks & ~7) * 16 + rows * kRowBytes);
   }
+
+ private:
+  __device__ __forceinline__ static uint32_t xor_chunks(uint32_t address, int chunks) {
+    if (chunks == 0) return address;
+    uint32_t moved;
+    asm volatile("xor.b32 %0, %1, %2;\n" : "=r"(moved) : "r"(address), "r"(chunks * 16));
+    return moved;
+  }
 };
 
 // The layout TMA writes with its 128-byte swizzle and wgmma reads (sm90/ptx_sm90.cuh, swizzle128_descriptor):
@@ -106,31 +106,6 @@ template <int kRows>
 struct Swizzle128Regions {
   __device__ __forceinline__ static uint32_t offset(int row, int col) {
     return swizzled_offset(kRows, row, col);
-  }
-};
-
-// The same layout for tiles of kRows rows (a multiple of 8) that TMA fills and ldmatrix reads (the sm90 decode
-// kernel's K / V slices), with SwizzledRows' lane-address moves: within a 128-byte line the same XOR, a line on is
-// the next region. The tile's base must be 1024-byte aligned (TMA's swizzle follows the address bits).
-template <int kRows, int kCols>
-struct SwizzledRegions {
-  static constexpr int kRegionBytes = kRows * 128;
-  static_assert(kRows % 8 == 0 && kCols % 64 == 0, "whole 8-row groups and 64-column regions");
-
-  __device__ __forceinline__ static uint32_t offset(int row, int col) { return swizzled_offset(kRows, row, col); }
-  __device__ __forceinline__ static uint32_t move(uint32_t address, int rows, int cols) {
-    const int chunks = cols / 8;
-    return xor_chunks(address, chunks & 7) + static_cast<uint32_t>((chunks / 8) * kRegionBytes + rows * 128);
-  }
-  struct ColumnVariants {
-    uint32_t address[4];
-  };
-  __device__ __forceinline__ static ColumnVariants column_variants(uint32_t address) {
-    return {{address, xor_chunks(address, 2), xor_chunks(address, 4), xor_chunks(address, 6)}};
-  }
-  __device__ __forceinline__ static uint32_t move(const ColumnVariants& lane, int rows, int cols) {
-    const int chunks = cols / 8;
-    return lane.address[(chunks & 7) / 2] + static_cast<uint32_t>((chunks / 8) * kRegionBytes + rows * 128);
   }
 };
 

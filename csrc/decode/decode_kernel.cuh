@@ -18,7 +18,6 @@
 // attention_decode_combine_kernel merges the splits.
 #pragma once
 
-#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -39,12 +38,6 @@
 namespace flash_ext::decode {
 
 constexpr float kLog2e = 1.4426950408889634f;
-
-// The caches as TMA tensors of (rows or pages, positions, heads, head dim), boxes of 64 columns x kWarpKeys
-// positions (the sm90 one-row-tile kernel's copies; the other instantiations do not read them).
-struct DecodeTensorMaps {
-  CUtensorMap k, v;
-};
 
 // The cache offset (elements) of position `pos` of sequence b, kv head `head`.
 __device__ __forceinline__ int64_t cache_offset(const DecodeParams& p, int b, int64_t pos, int head) {
@@ -114,64 +107,6 @@ __device__ __forceinline__ void zero_rows_from(unsigned char* stage, int64_t fir
   }
 }
 
-// Zeroes the rows of a (16-row) slice of V outside keys [begin, end) after its copy landed: TMA copies every row
-// of the box, past the sequence's end or below a window. Their keys are masked, but P (zero) times stale V bits
-// could be NaN.
-template <int kHeadDim, typename Rows>
-__device__ __forceinline__ void zero_rows_outside(uint32_t tile, int64_t first, int64_t begin, int64_t end, int lane) {
-  constexpr int kChunks = kHeadDim / 8;
-  for (int index = lane; index < kWarpKeys * kChunks; index += 32) {
-    const int row = index / kChunks;
-    if (first + row >= begin && first + row < end) continue;
-    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(tile + Rows::offset(row, index % kChunks * 8)),
-                 "r"(0)
-                 : "memory");
-  }
-}
-
-// The sm90 copies of the one-row-tile shape: a warp's slice by TMA, one box of kWarpKeys positions x 64 columns per
-// 64-column region of K and of V, issued by lane 0 and completing the stage's mbarrier (a fixed number of bytes:
-// positions past the tensor arrive as zeros). A handful of instructions where cp.async takes kHeadDim / 8 a lane
-// and their address arithmetic: the one-row-tile warp's chain of instructions, not DRAM, bounds batch-1 decode.
-// The slice lies in one page (launch_template.cuh takes this path for pages of a multiple of kWarpKeys positions
-// and no leftpad, so slices start at multiples of kWarpKeys). Empty where the sm_90a instructions are not compiled
-// (that instantiation is launched only on sm90 with its sm_90a code present).
-template <int kHeadDim>
-__device__ __forceinline__ void load_slice_tma(const DecodeParams& p, const DecodeTensorMaps& maps, int b,
-                                               int cache_row, int kv_head, int64_t position, uint32_t k_rows,
-                                               uint32_t v_rows, uint32_t bar, int lane) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if (lane != 0) return;
-  int row = static_cast<int>(position), outer = cache_row;  // positions are below 2^31 (int32 cache_seqlens)
-  if (p.block_table != nullptr) {
-    outer = p.block_table[b * p.block_table_stride + row / p.page_size];
-    row %= p.page_size;
-  }
-  sm90::mbarrier_arrive_expect_bytes(bar, 2 * kWarpKeys * kHeadDim * 2);
-#pragma unroll
-  for (int region = 0; region < kHeadDim / 64; ++region) {
-    const uint32_t offset = region * kWarpKeys * 128;
-    sm90::tma_load_4d(k_rows + offset, &maps.k, bar, 64 * region, row, kv_head, outer);
-    sm90::tma_load_4d(v_rows + offset, &maps.v, bar, 64 * region, row, kv_head, outer);
-  }
-#endif
-}
-// The warp's mbarriers (one per stage, one arrival each), initialised before any copy uses them.
-__device__ __forceinline__ void init_stage_barriers(uint32_t bars, int stages, int lane) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if (lane < stages) {
-    sm90::mbarrier_init(bars + 8 * lane, 1);
-    sm90::mbarrier_init_fence();
-  }
-  __syncwarp();
-#endif
-}
-__device__ __forceinline__ void wait_stage_barrier(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  sm90::mbarrier_wait(bar, parity);
-#endif
-}
-
 // The sm90 tile math of the four-row-tile shape (the CTA's four warps are one warpgroup; tiles of kCtaKeys =
 // 64 rows in Swizzle128Regions). Empty where the sm_90a instructions are not compiled: launch_template.cuh
 // launches the kWgmma kernel only on sm90 with its sm_90a code present.
@@ -223,20 +158,14 @@ __device__ __forceinline__ void copies_visible_to_wgmma() {
 #endif
 }
 
-// kSm90: the shape's sm_90a instantiation, launched on sm90 only: wgmma for four row tiles, TMA copies for one.
-template <typename Element, int kHeadDim, int kRowTiles, bool kSm90>
-__global__ void __launch_bounds__(kThreads)
-    attention_decode_kernel(const DecodeParams p, const __grid_constant__ DecodeTensorMaps maps) {
+template <typename Element, int kHeadDim, int kRowTiles, bool kWgmma>
+__global__ void __launch_bounds__(kThreads) attention_decode_kernel(const DecodeParams p) {
   constexpr bool kShared = kRowTiles > 1;  // the warps share each stage (row_tiles() in launch.h)
   static_assert(kRowTiles == 1 || kRowTiles == kWarps, "one row tile, or one per warp");
-  constexpr bool kWgmma = kSm90 && kShared, kTma = kSm90 && !kShared;
-  // Stage tiles: wgmma's and TMA's swizzled 64-column regions (the CTA's 64-key stage, or a warp's 16-key slice),
-  // else swizzled rows; the Q tile is in the stages' layout, as one whole tile.
-  using Rows = std::conditional_t<kWgmma, Swizzle128Regions<kCtaKeys>,
-                                  std::conditional_t<kTma, SwizzledRegions<kWarpKeys, kHeadDim>, SwizzledRows<kHeadDim>>>;
-  using QRows = std::conditional_t<kTma, SwizzledRows<kHeadDim>, Rows>;
+  static_assert(!kWgmma || kShared, "wgmma: the four-row-tile shape");
+  using Rows = std::conditional_t<kWgmma, Swizzle128Regions<kCtaKeys>, SwizzledRows<kHeadDim>>;
 #if !(defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL))
-  if constexpr (kSm90) return;  // sm_90a code only (launched on sm90 alone)
+  if constexpr (kWgmma) return;  // sm_90a code only (launched on sm90 alone)
 #endif
   constexpr int kStages = stages(kHeadDim);
   constexpr int kTileBytes = kCtaKeys * kHeadDim * 2;  // one stage's K (or V)
@@ -274,43 +203,27 @@ __global__ void __launch_bounds__(kThreads)
     const int r = index / (kHeadDim / 8), c = index % (kHeadDim / 8) * 8;
     const bool valid = r < rows;
     const int64_t row = valid ? (int64_t{b} * p.seqlen_q + query_of(r)) * p.heads_q + head_of(r) : 0;
-    cp_async_16(smem_address(smem) + QRows::offset(r, c), q + row * kHeadDim + c, valid);
+    cp_async_16(smem_address(smem) + Rows::offset(r, c), q + row * kHeadDim + c, valid);
   }
   cp_async_commit();
 
   const uint32_t q_tile = smem_address(smem);
-  // TMA: warp w's mbarrier of stage j at stage_barriers + 8 (w * kStages + j), after the ring and the merge.
-  const uint32_t stage_barriers = q_tile + smem_bytes(kHeadDim, kRowTiles, kTma) - (kWarps - warp) * kStages * 8;
-  auto barrier_of = [&](int step) { return stage_barriers + (step % kStages) * 8; };
-  if constexpr (kTma) init_stage_barriers(stage_barriers, kStages, lane);
-  // A dense cache's row of sequence b (TMA: the tensor's outer coordinate), read once.
-  const int cache_row = kTma && p.block_table == nullptr && p.cache_batch_idx != nullptr ? load_nc_int(p.cache_batch_idx + b) : b;
   auto k_stage = [&](int step) { return q_tile + kQBytes + (step % kStages) * 2 * kTileBytes; };
   auto v_stage = [&](int step) { return k_stage(step) + kTileBytes; };
-  // A warp's slice: its 16 rows of the stage; with TMA a tile of its own (16-row regions).
-  auto own_rows = [&](uint32_t stage) {
-    return kTma ? stage + warp * kWarpKeys * kHeadDim * 2 : stage + Rows::offset(warp * kWarpKeys, 0);
-  };
+  auto own_rows = [&](uint32_t stage) { return stage + Rows::offset(warp * kWarpKeys, 0); };
   // Slice s (keys lo + 16 s ...) is copied by warp s % kWarps into its rows of stage (s / kWarps) % kStages.
   // Steps: a warp's own slices, or (shared) the CTA's stages of kWarps slices.
-  int64_t lo = int64_t{split} * p.keys_per_split;  // a multiple of kCtaKeys
+  int64_t lo = int64_t{split} * p.keys_per_split;
   auto steps_of = [&](int64_t end) {
     const int slices = end > lo ? static_cast<int>((end - lo + kWarpKeys - 1) / kWarpKeys) : 0;
     return kShared ? (slices + kWarps - 1) / kWarps : (slices > warp ? (slices - warp + kWarps - 1) / kWarps : 0);
   };
   auto slice_first = [&](int step) { return lo + int64_t{step * kWarps + warp} * kWarpKeys; };
   int64_t key_begin = 0;
-  int issued = 0;  // steps whose copies were issued (TMA: each waited for before the ring is reused)
   auto load = [&](int step, int64_t end) {
-    if constexpr (kTma) {
-      load_slice_tma<kHeadDim>(p, maps, b, cache_row, kv_head, key_begin + slice_first(step), own_rows(k_stage(step)),
-                               own_rows(v_stage(step)), barrier_of(step), lane);
-    } else {
-      // A shared step's slices past `end` are copied as zeros: every warp reads the whole stage.
-      load_slice<Element, kHeadDim, Rows>(p, b, kv_head, key_begin, slice_first(step), end, own_rows(k_stage(step)),
-                                          own_rows(v_stage(step)), lane);
-    }
-    issued = step + 1;
+    // A shared step's slices past `end` are copied as zeros: every warp reads the whole stage.
+    load_slice<Element, kHeadDim, Rows>(p, b, kv_head, key_begin, slice_first(step), end, own_rows(k_stage(step)),
+                                        own_rows(v_stage(step)), lane);
   };
   auto prologue = [&](int64_t end) {
     const int count = steps_of(end);
@@ -335,9 +248,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t to_diagonal = len_k - p.seqlen_q;  // query i's causal mask ends at key i + to_diagonal
   int64_t hi = min(min(len_k, p.capacity - key_begin), lo + p.keys_per_split);
   if (p.window_left >= 0) lo = max(lo, query_of(0) + to_diagonal - p.window_left);
-  // TMA: slices start at multiples of kWarpKeys, within a page (keys below the window are masked, their V zeroed).
-  const int64_t lowest_key = lo;
-  if constexpr (kTma) lo = lo / kWarpKeys * kWarpKeys;
   if (p.window_right >= 0) hi = min(hi, query_of(rows - 1) + to_diagonal + p.window_right + 1);
   const int steps = steps_of(hi);
   trace_stamp(p, kTraceLengthRead);
@@ -367,26 +277,17 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
   OnlineSoftmax<1> softmax;
-  cp_async_wait<kTma ? 0 : kStages - 1>();  // the Q tile's group (the slices' groups may still be in flight)
+  cp_async_wait<kStages - 1>();  // the Q tile's group (the slices' groups may still be in flight)
   if constexpr (kWgmma) copies_visible_to_wgmma();
   __syncthreads();
   trace_stamp(p, kTraceQLanded);
 
   uint32_t q_lanes = 0;
-  if constexpr (!kWgmma) q_lanes = a_lane_address<QRows>(q_tile, 16 * row_tile, 0);
+  if constexpr (!kWgmma) q_lanes = a_lane_address<Rows>(q_tile, 16 * row_tile, 0);
   for (int step = 0; step < steps; ++step) {
-    if constexpr (kTma) {
-      wait_stage_barrier(barrier_of(step), (step / kStages) & 1);  // the warp's copies of `step`
-    } else {
-      cp_async_wait<kStages - 2>();  // this thread's copies of `step`
-    }
+    cp_async_wait<kStages - 2>();  // this thread's copies of `step`
     if (step < 8) trace_stamp(p, kTraceStepLanded + 2 * step);
-    if constexpr (kTma) {
-      if (slice_first(step) < lowest_key || slice_first(step) + kWarpKeys > hi) {
-        zero_rows_outside<kHeadDim, Rows>(own_rows(v_stage(step)), slice_first(step), lowest_key, hi, lane);
-        copies_visible_to_wgmma();  // ordered before the stage's next TMA write
-      }
-    } else if (early && step < kStages - 1 && slice_first(step) + kWarpKeys > hi) {
+    if (early && step < kStages - 1 && slice_first(step) + kWarpKeys > hi) {
       zero_rows_from<kHeadDim, Rows>(smem + (own_rows(v_stage(step)) - q_tile), slice_first(step), hi, lane);
     }
     if constexpr (kWgmma) {
@@ -412,7 +313,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int nj = 0; nj < kNTilesS; ++nj)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_s[0][nj][e] = 0.f;
-      gemm_smem<Element, 1, kNTilesS, kHeadDim / 16, kRowsAreMN, QRows, kRowsAreMN, Rows>(
+      gemm_smem<Element, 1, kNTilesS, kHeadDim / 16, kRowsAreMN, Rows, kRowsAreMN, Rows>(
           acc_s, q_lanes, b_rows_n_lane_address<Rows>(k_tile, 0, 0));
     }
 
@@ -454,9 +355,6 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   cp_async_wait<0>();
-  if constexpr (kTma) {  // copies issued before the length was known, past the last step
-    for (int step = steps; step < issued; ++step) wait_stage_barrier(barrier_of(step), (step / kStages) & 1);
-  }
   if constexpr (kWgmma) values_wgmma_wait<kHeadDim>(acc_o[0]);
 
   trace_stamp(p, kTraceLoopDone);

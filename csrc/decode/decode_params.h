@@ -20,8 +20,6 @@ struct DecodeParams {
   const int32_t* leftpad = nullptr;          // nullptr: 0
   int seqlen_new = 0;
   int64_t capacity = 0;  // the most keys a sequence holds
-  int64_t cache_rows = 0;       // the caches' dimension 0: cache rows, or pages
-  int64_t cache_positions = 0;  // their dimension 1: positions of a row, or of a page
 
   int batch = 0, seqlen_q = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
   float scale_log2 = 0.f;     // softmax_scale * log2(e)

@@ -31,18 +31,16 @@ constexpr int rows_per_cta(int rows) { return 16 * row_tiles(rows); }
 // (4 KB), one at 256 (8 KB; with more, a CTA would not fit an A100's 163 KB), so an H100 / H200 SM holds
 // 64-128 KB of copies in flight.
 constexpr int stages(int head_dim) { return head_dim <= 64 ? 4 : head_dim <= 128 ? 3 : 2; }
-// Dynamic shared memory: the Q tile, then the ring (reused for the warps' merge), then (TMA copies) an mbarrier
-// per stage of each warp.
-constexpr int smem_bytes(int head_dim, int row_tiles, bool tma = false) {
+// Dynamic shared memory: the Q tile, then the ring (reused for the warps' merge).
+constexpr int smem_bytes(int head_dim, int row_tiles) {
   const int ring = stages(head_dim) * 2 * kCtaKeys * head_dim * 2;
   // The merge: the warps' O rows and lse, merge weights, per row its lse and two indices.
   const int merge = kWarps * 16 * (head_dim + 2) * 4 + 16 * row_tiles * (4 + 16);
-  const int barriers = tma ? kWarps * stages(head_dim) * 8 : 0;
-  return 16 * row_tiles * head_dim * 2 + (ring > merge ? ring : merge) + barriers;
+  return 16 * row_tiles * head_dim * 2 + (ring > merge ? ring : merge);
 }
 // CTAs one sm90 SM holds (227 KB of shared memory, 1 KB reserved per CTA).
-constexpr int resident_ctas_per_sm(int head_dim, int row_tiles, bool tma = false) {
-  return 227 * 1024 / (smem_bytes(head_dim, row_tiles, tma) + 1024);
+constexpr int resident_ctas_per_sm(int head_dim, int row_tiles) {
+  return 227 * 1024 / (smem_bytes(head_dim, row_tiles) + 1024);
 }
 
 // Writes params.out and params.lse (through out_partial / lse_partial when num_splits > 1).
