@@ -135,9 +135,8 @@ KvcacheResult run_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
                     device_info(q.device().index()).num_sms);
   at::Tensor out_partial, lse_partial;
   if (p.num_splits > 1) {
-    p.partials = p.num_splits * (decode::row_tiles(rows) == 1 ? decode::kWarps : 1);
-    out_partial = at::empty({p.partials, batch * seqlen_q * heads_q, head_dim}, q.options().dtype(at::kFloat));
-    lse_partial = at::empty({p.partials, batch * seqlen_q * heads_q}, q.options().dtype(at::kFloat));
+    out_partial = at::empty({p.num_splits, batch * seqlen_q * heads_q, head_dim}, q.options().dtype(at::kFloat));
+    lse_partial = at::empty({p.num_splits, batch * seqlen_q * heads_q}, q.options().dtype(at::kFloat));
     p.out_partial = out_partial.data_ptr<float>();
     p.lse_partial = lse_partial.data_ptr<float>();
   }

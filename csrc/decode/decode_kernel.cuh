@@ -360,28 +360,6 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   trace_stamp(p, kTraceLoopDone);
   float lse[2];
   softmax.finalize(acc_o, lse_scale, lse);
-  const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
-
-  if (!kShared && p.num_splits > 1) {
-    // One row tile, split keys: each warp's normalised rows and lse are a partial of their own (partial split *
-    // kWarps + warp), written from registers; the combine kernel merges them with the other splits' (no CTA
-    // barrier: a warp done early does not wait for the CTA's slowest).
-    const int64_t partial = int64_t{split} * kWarps + warp;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = lane / 4 + 8 * half;
-      if (r >= rows) continue;
-      const int64_t row = (int64_t{b} * p.seqlen_q + query_of(r)) * p.heads_q + head_of(r);
-      float* out = p.out_partial + (partial * rows_all + row) * kHeadDim + 2 * (lane % 4);
-#pragma unroll
-      for (int nd = 0; nd < kNTilesO; ++nd) {
-        *reinterpret_cast<float2*>(out + nd * 8) = make_float2(acc_o[0][nd][2 * half], acc_o[0][nd][2 * half + 1]);
-      }
-      if (lane % 4 == 0) p.lse_partial[partial * rows_all + row] = lse[half];
-    }
-    trace_stamp(p, kTraceWritten);
-    return;
-  }
 
   // Each warp's normalised rows and lse through shared memory (the ring is free once every warp is past it).
   __syncthreads();
@@ -407,6 +385,7 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   float* row_lse = weight_w + kWarps * 16;         // [row]
   int64_t* out_row = reinterpret_cast<int64_t*>(row_lse + kRows);  // [row]: the row of out (and out_partial)
   int64_t* lse_index = out_row + kRows;                            // [row]: its element of lse
+  const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
   if (threadIdx.x < rows) {
     const int r = threadIdx.x;
     if constexpr (kShared) {  // row r is warp r / 16's alone
@@ -464,29 +443,28 @@ __global__ void __launch_bounds__(kThreads) attention_decode_kernel(const Decode
   trace_stamp(p, kTraceWritten);
 }
 
-// Merges the partials (a split's, or one row tile's warp's: DecodeParams::partials) of one (sequence, query, head)
-// row per CTA, thread c taking column c: one pass over the partials in chunks, each chunk's lse and partial values
-// loaded together (one round trip per chunk, not per partial), the running sum rescaled when a chunk raises the
-// max; the partials are summed in order (bitwise repeatable). Launched as a programmatic dependent of the decode
-// kernel: its CTAs are resident early and wait for that grid to finish.
+// Merges the splits of one (sequence, query, head) row per CTA, thread c taking column c: one pass over the splits
+// in chunks, each chunk's lse and partial values loaded together (one round trip per chunk, not per split), the
+// running sum rescaled when a chunk raises the max; the splits are summed in order (bitwise repeatable). Launched
+// as a programmatic dependent of the decode kernel: its CTAs are resident early and wait for that grid to finish.
 constexpr int kCombineThreads = 128;
 
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kCombineThreads) attention_decode_combine_kernel(const DecodeParams p) {
+  constexpr int kChunk = 16;
   constexpr int kCols = (kHeadDim + kCombineThreads - 1) / kCombineThreads;
-  constexpr int kChunk = 64 / kCols;  // 16 splits of 4 warps' partials in one round trip
   trace_combine_stamp(p, 0);
   wait_for_prerequisite_grid();
   trace_combine_stamp(p, 1);
   const int64_t rows_all = int64_t{p.batch} * p.seqlen_q * p.heads_q;
   const int64_t row = blockIdx.x;
   float run_max = -INFINITY, sum = 0.f, value[kCols] = {};
-  for (int first = 0; first < p.partials; first += kChunk) {
+  for (int first = 0; first < p.num_splits; first += kChunk) {
     float lse[kChunk], part[kChunk][kCols];
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) {
-      const int s = first + j < p.partials ? first + j : p.partials - 1;
-      lse[j] = first + j < p.partials ? p.lse_partial[s * rows_all + row] : -INFINITY;
+      const int s = first + j < p.num_splits ? first + j : p.num_splits - 1;
+      lse[j] = first + j < p.num_splits ? p.lse_partial[s * rows_all + row] : -INFINITY;
 #pragma unroll
       for (int i = 0; i < kCols; ++i) {
         const int c = threadIdx.x + i * kCombineThreads;

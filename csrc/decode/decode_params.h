@@ -32,11 +32,8 @@ struct DecodeParams {
   int num_splits = 1;
   int64_t keys_per_split = 0;  // a multiple of 32
   int row_chunks = 1;          // CTAs over the packed (query, head of the group) rows of one kv head
-  // num_splits > 1: the (out, lse) parts the combine kernel merges, `partials` of them per row: one per split and,
-  // in the one-row-tile shape (launch.h), per warp of its CTA.
-  int partials = 0;
-  float* out_partial = nullptr;  // [partials][batch * seqlen_q * heads_q][head_dim], each normalised
-  float* lse_partial = nullptr;  // [partials][batch * seqlen_q * heads_q], natural log; -inf: no key
+  float* out_partial = nullptr;  // [num_splits][batch * seqlen_q * heads_q][head_dim], normalised per split
+  float* lse_partial = nullptr;  // [num_splits][batch * seqlen_q * heads_q], natural log; -inf: no key
   void* out = nullptr;           // (batch, seqlen_q, heads_q, head_dim), contiguous
   float* lse = nullptr;          // (batch, heads_q, seqlen_q)
   unsigned long long* trace = nullptr;  // FLASH_EXT_DECODE_TRACE builds: the timeline buffer (decode_trace.cuh)
