@@ -64,18 +64,16 @@
 
 namespace flash_ext::sm90 {
 
-// kKeysInCache: keys in a KV cache, whose pages hold whole key blocks of 128 (64 at hd256).
-template <int kHeadDim_, bool kKeysInCache = false>
+template <int kHeadDim_>
 struct FwdSm90PersistentTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows
-  // Registers per consumer thread: O holds head_dim / 2 floats, the score tile kBlockN / 2. At hd128, key blocks
-  // of 176 (FlashAttention-3's tile) where no page must hold whole blocks.
-  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : kHeadDim <= 128 ? (kKeysInCache ? 128 : 176) : 64;
+  // Registers per consumer thread: O holds head_dim / 2 floats, the score tile kBlockN / 2.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kStages = 2;
-  // Two Q buffers (the next tile's Q loads during this one) where they fit: at hd256 Q is 64 KB, at hd128 with
-  // 176-key blocks the K / V stages take 176 KB; the epilogue then leaves before the next tile's Q loads.
-  static constexpr int kQBuffers = kHeadDim <= 128 && kBlockN == 128 ? 2 : 1;
+  // Two Q buffers (the next tile's Q loads during this one) where they fit: at hd256 Q is 64 KB, and the
+  // epilogue then leaves before the next tile's Q loads.
+  static constexpr int kQBuffers = kHeadDim <= 128 ? 2 : 1;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kThreads = 32 * (4 + kConsumerWarps);
   // setmaxnreg: 24 x 128 + 240 x 256 = 64512 of the SM's 65536 registers (the launch gives 168 each).
@@ -207,7 +205,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     attention_fwd_sm90_persistent_kernel(const __grid_constant__ FwdParams params,
                                          const __grid_constant__ FwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tile = FwdSm90PersistentTile<kHeadDim_, kKeysInCache>;
+  using Tile = FwdSm90PersistentTile<kHeadDim_>;
   using WalkTile = FwdWalkTile<Tile, kKeysInCache>;
   constexpr int kQBuffers = Tile::kQBuffers;
   constexpr int kBlockM = Tile::kBlockM;
