@@ -68,9 +68,7 @@ bool fwd_applies(const FwdParams& params) {
   }
   // Keys in a cache: the persistent kernel reads them (a variable-length q); a page holds whole key blocks.
   if (params.keys_in_cache() && (!params.is_varlen() || params.has_dropout())) return false;
-  if (params.key_pages != nullptr && params.cache_seqlen % FwdSm90PersistentTile<kHeadDim, true>::kBlockN != 0) {
-    return false;
-  }
+  if (params.key_pages != nullptr && params.cache_seqlen % FwdSm90PersistentTile<kHeadDim>::kBlockN != 0) return false;
   if (!cache_layout_readable(params)) return false;
   const FwdTmaShape shape(params, kHeadDim);
   return shape.rows_q > 0 && shape.rows_k > 0 && tma_compatible(params.q, shape.q) &&
@@ -84,42 +82,34 @@ bool run_attention_fwd(const FwdParams& params, cudaStream_t stream) {
   using Element = ElementOf<kElem>;
   if (!fwd_applies<kElem, kHeadDim>(params)) return false;
   const FwdTmaShape shape(params, kHeadDim);
-  // The TMA boxes: rows of a Q block and of the kernel's key block.
-  auto encode_maps = [&](FwdTensorMaps* maps, auto key_block) {
-    constexpr int kKeys = decltype(key_block)::value;
-    return encode_tensor_map<Element, Tile::kBlockM>(&maps->q, params.q, shape.q, shape.rows_q, params.heads_q,
-                                                     shape.batch, kHeadDim) &&
-           encode_tensor_map<Element, kKeys>(&maps->k, params.k, shape.k, shape.rows_k, params.heads_kv,
-                                             shape.batch_k, kHeadDim) &&
-           encode_tensor_map<Element, kKeys>(&maps->v, params.v, shape.v, shape.rows_k, params.heads_kv,
-                                             shape.batch_k, kHeadDim);
-  };
+  FwdTensorMaps maps;
+  if (!encode_tensor_map<Element, Tile::kBlockM>(&maps.q, params.q, shape.q, shape.rows_q, params.heads_q,
+                                                 shape.batch, kHeadDim) ||
+      !encode_tensor_map<Element, Tile::kBlockN>(&maps.k, params.k, shape.k, shape.rows_k, params.heads_kv,
+                                                 shape.batch_k, kHeadDim) ||
+      !encode_tensor_map<Element, Tile::kBlockN>(&maps.v, params.v, shape.v, shape.rows_k, params.heads_kv,
+                                                 shape.batch_k, kHeadDim)) {
+    return false;
+  }
 
   check_grid_limits(params, "forward");
   const int64_t num_m_blocks = (params.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
   // Without dropout: the persistent kernel, one CTA per SM.
   if (!params.has_dropout()) {
-    static_assert(FwdSm90PersistentTile<kHeadDim>::kBlockM == Tile::kBlockM, "both kernels' Q blocks");
-    FwdTensorMaps maps;
-    const bool in_cache = params.keys_in_cache();
-    const bool encoded = in_cache ? encode_maps(&maps, std::integral_constant<int, FwdSm90PersistentTile<kHeadDim, true>::kBlockN>{})
-                                  : encode_maps(&maps, std::integral_constant<int, FwdSm90PersistentTile<kHeadDim>::kBlockN>{});
-    if (!encoded) return false;
+    using PersistentTile = FwdSm90PersistentTile<kHeadDim>;
+    static_assert(PersistentTile::kBlockM == Tile::kBlockM && PersistentTile::kBlockN == Tile::kBlockN,
+                  "both kernels read the same TMA boxes");
     const int64_t num_tiles = fwd_num_tiles(params, Tile::kBlockM);
     const auto persistent = params.keys_in_cache()
                                 ? persistent_kernel_of<Element, kHeadDim, true>(params.has_score_mods())
                                 : persistent_kernel_of<Element, kHeadDim, false>(params.has_score_mods());
     const int num_sms = current_device_info().num_sms;
-    const int smem_bytes = in_cache ? FwdSm90PersistentTile<kHeadDim, true>::kSmemBytes
-                                    : FwdSm90PersistentTile<kHeadDim>::kSmemBytes;
-    set_smem_limit(persistent, smem_bytes, "the sm90 persistent forward kernel");
+    set_smem_limit(persistent, PersistentTile::kSmemBytes, "the sm90 persistent forward kernel");
     const unsigned grid = static_cast<unsigned>(num_tiles < num_sms ? num_tiles : num_sms);
-    persistent<<<grid, FwdSm90PersistentTile<kHeadDim>::kThreads, smem_bytes, stream>>>(params, maps);
+    persistent<<<grid, PersistentTile::kThreads, PersistentTile::kSmemBytes, stream>>>(params, maps);
     throw_on_cuda_error(cudaGetLastError(), "launching the sm90 persistent forward kernel");
     return true;
   }
-  FwdTensorMaps maps;
-  if (!encode_maps(&maps, std::integral_constant<int, Tile::kBlockN>{})) return false;
   const auto kernel = kFwdDropoutKernel<Element, kHeadDim>;
   set_smem_limit(kernel, Tile::kSmemBytes, "the sm90 forward kernel");
   const dim3 grid(static_cast<unsigned>(num_m_blocks), params.heads_q, params.batch);

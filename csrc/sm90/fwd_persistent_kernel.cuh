@@ -64,14 +64,12 @@
 
 namespace flash_ext::sm90 {
 
-// kKeysInCache: keys in a KV cache, whose pages hold whole key blocks of 128 (64 at hd256).
-template <int kHeadDim_, bool kKeysInCache = false>
+template <int kHeadDim_>
 struct FwdSm90PersistentTile {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;  // 2 consumer warpgroups x 64 rows
-  // Registers per consumer thread: O holds head_dim / 2 floats, the score tile kBlockN / 2. At hd256, key blocks
-  // of 80 (FlashAttention-3's tile) where no page must hold whole blocks.
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : kKeysInCache ? 64 : 80;
+  // Registers per consumer thread: O holds head_dim / 2 floats, the score tile kBlockN / 2.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kStages = 2;
   // Two Q buffers (the next tile's Q loads during this one) where they fit: at hd256 Q is 64 KB, and the
   // epilogue then leaves before the next tile's Q loads.
@@ -207,7 +205,7 @@ __global__ void __launch_bounds__(FwdSm90PersistentTile<kHeadDim_>::kThreads, 1)
     attention_fwd_sm90_persistent_kernel(const __grid_constant__ FwdParams params,
                                          const __grid_constant__ FwdTensorMaps maps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tile = FwdSm90PersistentTile<kHeadDim_, kKeysInCache>;
+  using Tile = FwdSm90PersistentTile<kHeadDim_>;
   using WalkTile = FwdWalkTile<Tile, kKeysInCache>;
   constexpr int kQBuffers = Tile::kQBuffers;
   constexpr int kBlockM = Tile::kBlockM;
