@@ -277,7 +277,8 @@ def header_line(data):
     bw = data.get("read_bandwidth_tb_per_s")
     bw = f"; the device's read bandwidth in the same run (a 1 GiB bf16 sum): {bw:.2f} TB/s" if bw else ""
     # Runs before the field existed emptied the L2 by writing (do_bench).
-    flush = {"read": "; L2 emptied by a read", "write": "; L2 emptied by a write (do_bench)"}[data.get("l2_flush", "write")]
+    flush = {"read": "; L2 emptied by a read",
+             "write": "; L2 emptied by a write (do_bench)"}[data.get("l2_flush", "write")]
     return (f"bf16, head dim {data.get('head_dim', HEAD_DIM)}, {data.get('heads_q', HEADS_Q)} query heads sharing "
             f"{data.get('heads_kv', HEADS_KV)} KV heads ({data.get('gpu', 'unknown GPU')}, torch "
             f"{data.get('torch', '?')}{cudnn}{fa4}, {date}, commit `{data.get('commit', 'unknown')}`){bw}{flush}.")
@@ -606,6 +607,19 @@ class Bench:
         del run
         return ms
 
+    def measure_or_note(self, fn, mode, fatal_label, what, where):
+        """(ms, None), or (None, the error) after noting it as failed(what, where); a sticky CUDA error ends the run
+        (FatalCudaError naming fatal_label), and so does the time budget (CutShort)."""
+        try:
+            return self.measure(fn, mode), None
+        except CutShort:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if is_fatal_cuda(e):
+                raise FatalCudaError(f"{fatal_label}: {first_line(e)}") from e
+            self.failed(what, where, e)
+            return None, e
+
     def save(self):
         if self.args.json and self.data is not None:
             self.data["notes"] = self.all_notes()
@@ -830,19 +844,15 @@ class Bench:
                     cells = []
                     for mode in MODES:
                         t0 = time.time()
-                        try:
-                            ms = self.measure(fn, mode) / sets
-                        except CutShort:
-                            raise
-                        except Exception as e:  # noqa: BLE001
-                            if is_fatal_cuda(e):
-                                raise FatalCudaError(f"{impl} {mode} {point}: {first_line(e)}") from e
-                            self.failed(f"{impl} {page_label(page)}", f"{point} seqlen_q {sq} {mode}", e)
+                        ms, e = self.measure_or_note(fn, mode, f"{impl} {mode} {point}", f"{impl} {page_label(page)}",
+                                                     f"{point} seqlen_q {sq} {mode}")
+                        if e is not None:
                             if impl == "fa4" and not isinstance(e, torch.cuda.OutOfMemoryError):
                                 self.disabled[(impl, page, sq)] = first_line(e)  # FA4 recompiles: no retries
                             cells.append(f"{mode} -")
                             torch.cuda.empty_cache()
                             break  # what failed eager fails as a graph too
+                        ms /= sets
                         if impl == "fa4" and time.time() - t0 > 10:
                             print(f"  (fa4 {mode} took {time.time() - t0:.0f} s: compiling)", flush=True)
                         tbs = nbytes / (ms * 1e-3) / 1e12
@@ -904,14 +914,11 @@ class Bench:
                 impl, page, variant, _ = key
                 if self.disabled.get((impl, page, variant)):
                     continue
-                try:
-                    times[key].append(self.measure(fn, "eager"))
-                except CutShort:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    if is_fatal_cuda(e):
-                        raise FatalCudaError(f"prefill {impl}: {first_line(e)}") from e
-                    self.failed(f"prefill {impl} {page_label(page)} {variant}", f"{sq} queries, {sk} keys", e)
+                ms, e = self.measure_or_note(fn, "eager", f"prefill {impl}",
+                                             f"prefill {impl} {page_label(page)} {variant}", f"{sq} queries, {sk} keys")
+                if e is None:
+                    times[key].append(ms)
+                else:
                     self.disabled[(impl, page, variant)] = first_line(e)
         del calls
         for (impl, page, variant, cached), measured in times.items():
