@@ -10,7 +10,8 @@
 //   Pᵀ = exp2(Sᵀ scale log2(e) - lse log2(e)) and dSᵀ = Pᵀ ∘ (dPᵀ - D) (with softcap's factor, the
 //     band mask) in registers, stored in 16 bits to shared memory (stmatrix);
 //   dV += Pᵀ dO and dK += dSᵀ Q (wgmma, A = its own 64 rows of the stored Pᵀ / dSᵀ, B = dO / Q), issued
-//     with the next step's Sᵀ / dPᵀ and completing during the next step's element-wise work;
+//     with the next step's Sᵀ / dPᵀ and completing during the next step's element-wise work (at head_dim 64,
+//     A = Pᵀ / dSᵀ from registers, issued at once and completing in the step: BwdSm90Tile::kGradsFromRegisters);
 //   dQ = dS K for half of the head dim (A = dS read transposed from the stored dSᵀ of both warpgroups,
 //     handed over by named barriers, B = K), waited for at the start of the next step and added to the
 //     fp32 dQ accumulator with 16-byte atomics (common/dq_accum_layout.h).
@@ -122,6 +123,13 @@ struct BwdSm90Tile {
   // ~76 us of a window (1024, 0) backward (H200, 16k, 2026-12-01, beside a build without stores). Not at hd256,
   // whose 64 KB of dK / dV exceed the 32 KB of those buffers.
   static constexpr int kGradBytes = kBlockN * kHeadDim * 2;  // dK or dV of the CTA's keys, 16 bits
+  // At head_dim 64: dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ / dSᵀ from registers (wgmma's A operand in the
+  // accumulator's layout: a warpgroup's 64 key rows are its own), issued and completed within the step that
+  // formed them: no Pᵀ store and no A reads from shared memory, 48 of the ~190 KB a warpgroup's step moves
+  // through it. bwd +10-13% at hd64 (2k / 8k, causal or not); at hd128 (24 of ~160 KB) flat to -2%, since dV /
+  // dK then no longer overlap the element-wise work; both kept in the pipelined form through shared memory
+  // (H200, 2026-12-03). Not at hd256, where each warpgroup's dK / dV need the other's Pᵀ / dSᵀ.
+  static constexpr bool kGradsFromRegisters = kHeadDim == 64;
   static constexpr bool kGradsByTma = kGradBytes <= 2 * kDsBytes;
   static_assert(kSmemBytes <= 227 * 1024, "the sm90 dK/dV kernel's shared memory exceeds a CTA's 227 KB");
   // dQ's B operand (K, MN-major) is kDqCols columns inside one 64-column region, or whole regions.
@@ -671,23 +679,26 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     // Step i's Pᵀ and dSᵀ in 16 bits to shared memory (buffers i % 2), one stmatrix per 16 keys x 16 queries
     // (the four 8 x 8 matrices of an A fragment), and this warpgroup's half of dSᵀ announced to the other
     // (named barrier 1 + 2 (i % 2) + group, arrive only).
-    auto store_p_ds = [&](int i, const float (&acc_s)[1][kNTilesS][4], const float (&acc_dp)[1][kNTilesS][4]) {
-      uint32_t frag[1][kNTilesS / 2][4];
-      auto store = [&](uint32_t tile) {
+    auto store_fragments = [&](uint32_t tile, const uint32_t (&frag)[1][kNTilesS / 2][4]) {
 #pragma unroll
-        for (int jj = 0; jj < kNTilesS / 2; ++jj) {
-          // 16-byte chunk of the query row: with 128-query steps, 8 chunks per 64-query region, jj / 4 the region.
-          const int chunk = group_first_query / 8 + 2 * (jj % 4) + lane / 16;
-          stmatrix_x4(tile + (jj / 4) * kBlockN * 128 + ds_store_row * 128 + ((chunk ^ (ds_store_row % 8)) * 16),
-                      {frag[0][jj][0], frag[0][jj][1], frag[0][jj][2], frag[0][jj][3]});
-        }
-      };
-      accumulator_to_a_fragments<Element>(acc_s, frag);
-      store(smem_p(i % 2));
-      accumulator_to_a_fragments<Element>(acc_dp, frag);
-      store(smem_ds(i % 2));
+      for (int jj = 0; jj < kNTilesS / 2; ++jj) {
+        // 16-byte chunk of the query row: with 128-query steps, 8 chunks per 64-query region, jj / 4 the region.
+        const int chunk = group_first_query / 8 + 2 * (jj % 4) + lane / 16;
+        stmatrix_x4(tile + (jj / 4) * kBlockN * 128 + ds_store_row * 128 + ((chunk ^ (ds_store_row % 8)) * 16),
+                    {frag[0][jj][0], frag[0][jj][1], frag[0][jj][2], frag[0][jj][3]});
+      }
+    };
+    auto announce_ds = [&](int i) {
       fence_async_shared();
       named_barrier_arrive(1 + 2 * (i % 2) + group, Tile::kConsumerThreads);
+    };
+    auto store_p_ds = [&](int i, const float (&acc_s)[1][kNTilesS][4], const float (&acc_dp)[1][kNTilesS][4]) {
+      uint32_t frag[1][kNTilesS / 2][4];
+      accumulator_to_a_fragments<Element>(acc_s, frag);
+      store_fragments(smem_p(i % 2), frag);
+      accumulator_to_a_fragments<Element>(acc_dp, frag);
+      store_fragments(smem_ds(i % 2), frag);
+      announce_ds(i);
     };
 
     // dV += Pᵀ dO, dK += dSᵀ Q of step i (A = this warpgroup's 64 key rows of the stored Pᵀ / dSᵀ, K-major over
@@ -707,6 +718,29 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         MmaGrad::template ss<1>(acc_dk, own_rows(smem_ds(i % 2), t), query_grad_descriptor(smem_q(stage), t), 1);
       }
       wgmma_commit();
+    };
+
+    // kGradsFromRegisters: step i's Pᵀ / dSᵀ in 16 bits (A fragments, live until the GEMMs below completed), dV /
+    // dK issued from them and committed, not waited for; then dSᵀ stored for dQ and announced.
+    uint32_t frag_p[1][kNTilesS / 2][4];
+    uint32_t frag_ds[1][kNTilesS / 2][4];
+    auto issue_grads_from_registers = [&](int i, const float (&acc_s)[1][kNTilesS][4],
+                                          const float (&acc_dp)[1][kNTilesS][4]) {
+      const int stage = stage_of(i);
+      accumulator_to_a_fragments<Element>(acc_s, frag_p);
+      accumulator_to_a_fragments<Element>(acc_dp, frag_ds);
+      wgmma_fence();
+#pragma unroll
+      for (int t = 0; t < kBlockM / 16; ++t) {
+        MmaGrad::template rs<1>(acc_dv, frag_p[0][t], query_grad_descriptor(smem_dout(stage), t), 1);
+      }
+#pragma unroll
+      for (int t = 0; t < kBlockM / 16; ++t) {
+        MmaGrad::template rs<1>(acc_dk, frag_ds[0][t], query_grad_descriptor(smem_q(stage), t), 1);
+      }
+      wgmma_commit();
+      store_fragments(smem_ds(i % 2), frag_ds);
+      announce_ds(i);
     };
 
     // Part `part` of dQ of step i (this warpgroup's 64 queries x kNTilesDq n-tiles) = dS K over the block's
@@ -780,66 +814,113 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       if (ordered && part == kDqParts - 1) turn_to_pass = i;
     };
 
-    // Per step i: step i - 1's dQ (once the other warpgroup's half of its dSᵀ is stored), waited for and added;
-    // step i's Sᵀ, dPᵀ and step i - 1's dV / dK issued; the element-wise work of step i runs while that dV / dK
-    // completes (FlashAttention-3's intra-warpgroup overlap, here of the gradient GEMMs, whose accumulators
-    // are live anyway); then step i's Pᵀ and dSᵀ are stored. (With dQ in flight during the element-wise work
-    // instead, ptxas serialised the wgmmas for want of registers: C7511.) In two parts, dQ's first part is
-    // added while Sᵀ / dPᵀ compute, its second while dV / dK do.
     float acc_s[1][kNTilesS][4];   // Sᵀ, then Pᵀ in place
     float acc_dp[1][kNTilesS][4];  // dPᵀ, then dSᵀ in place
-    for (int i = 0; i < num_steps; ++i) {
-      if (i > 0) {
-        // Step i - 1's dQ, then step i's Sᵀ / dPᵀ: the dQ atomics run while Sᵀ / dPᵀ compute.
+    if constexpr (Tile::kGradsFromRegisters) {
+      // Per step i: Pᵀ / dSᵀ formed from the completed Sᵀ / dPᵀ, dV / dK issued from registers and dSᵀ stored;
+      // dQ part 0 issued; once dV / dK completed, the query buffer released and step i + 1's Sᵀ / dPᵀ issued;
+      // the dQ parts added while they compute. dV / dK are issued and waited for in the same iteration: in
+      // flight across the loop's back edge, their register operands made ptxas serialise every wgmma
+      // (C7512). At most Sᵀ / dPᵀ or the fragments are live beside dK / dV.
+      auto step = [&](int i, auto has_next) {
+        register_fence(acc_s[0]);
+        register_fence(acc_dp[0]);
+        if (!decltype(has_next)::value) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
+        scores_to_gradients(i, acc_s, acc_dp);
+        issue_grads_from_registers(i, acc_s, acc_dp);
         float acc_dq[kNTilesDq][4];
         pass_turn();
-        const int seen = read_turn_early(i - 1);
-        issue_dq(i - 1, acc_dq, 0);
-        issue_scores(i, acc_s, acc_dp);
-        wgmma_wait<1>();  // dQ of step i - 1 (its first part)
-        register_fence(acc_dq);
-        add_dq(i - 1, acc_dq, 0, seen);
-        if constexpr (kDqParts == 2) issue_dq(i - 1, acc_dq, 1);
-        issue_grads(i - 1);
-        wgmma_wait<1>();  // Sᵀ, dPᵀ of step i (and dQ's second part); step i - 1's dV / dK may still run
-        if constexpr (kDqParts == 2) {
-          register_fence(acc_dq);
-          add_dq(i - 1, acc_dq, 1, 0);
+        const int seen = read_turn_early(i);
+        issue_dq(i, acc_dq, 0);
+        wgmma_wait<1>();  // dV / dK of step i: the fragments and the query buffer are free
+        register_fence(frag_p[0]);
+        register_fence(frag_ds[0]);
+        release_query_block(i);
+        if constexpr (decltype(has_next)::value) {
+          issue_scores(i + 1, acc_s, acc_dp);
+          wgmma_wait<1>();  // dQ part 0
+        } else {
+          wgmma_wait<0>();
         }
-      } else {
-        issue_scores(i, acc_s, acc_dp);
-        wgmma_wait<0>();
-      }
-      register_fence(acc_s[0]);
-      register_fence(acc_dp[0]);
-      if (i == num_steps - 1) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
-      scores_to_gradients(i, acc_s, acc_dp);
-      if (i > 0) {
-        wgmma_wait<0>();  // step i - 1's dV / dK: its Pᵀ / dSᵀ buffers and its Q / dO are free
-        release_query_block(i - 1);
-      }
-      store_p_ds(i, acc_s, acc_dp);
-    }
-    if (num_steps > 0) {
-      float acc_dq[kNTilesDq][4];
-      // The last step's dQ and dV / dK issued together: the gradients' GEMMs run while the dQ is added.
-      pass_turn();
-      const int seen = read_turn_early(num_steps - 1);
-      issue_dq(num_steps - 1, acc_dq, 0);
-      issue_grads(num_steps - 1);
-      wgmma_wait<1>();
-      register_fence(acc_dq);
-      add_dq(num_steps - 1, acc_dq, 0, seen);
-      if constexpr (kDqParts == 2) {
-        issue_dq(num_steps - 1, acc_dq, 1);
-        wgmma_wait<0>();
         register_fence(acc_dq);
-        add_dq(num_steps - 1, acc_dq, 1, 0);
+        add_dq(i, acc_dq, 0, seen);
+        if constexpr (kDqParts == 2) {
+          issue_dq(i, acc_dq, 1);
+          wgmma_wait<0>();  // dQ part 1 (and step i + 1's Sᵀ / dPᵀ)
+          register_fence(acc_dq);
+          add_dq(i, acc_dq, 1, 0);
+        } else {
+          wgmma_wait<0>();
+        }
+      };
+      if (num_steps > 0) {
+        issue_scores(0, acc_s, acc_dp);
+        wgmma_wait<0>();
+        for (int i = 0; i < num_steps - 1; ++i) step(i, std::true_type{});
+        step(num_steps - 1, std::false_type{});
+        pass_turn();  // the walk's last: at once (its successors wait for it)
+        release_key_tile(bar_k_empty);  // the walk's last dQ completed
       }
-      pass_turn();  // the walk's last: at once (its successors wait for it)
-      wgmma_wait<0>();
-      release_query_block(num_steps - 1);
-      release_key_tile(bar_k_empty);  // the walk's last dQ completed
+    } else {
+      // Per step i: step i - 1's dQ (once the other warpgroup's half of its dSᵀ is stored), waited for and added;
+      // step i's Sᵀ, dPᵀ and step i - 1's dV / dK issued; the element-wise work of step i runs while that dV / dK
+      // completes (FlashAttention-3's intra-warpgroup overlap, here of the gradient GEMMs, whose accumulators
+      // are live anyway); then step i's Pᵀ and dSᵀ are stored. (With dQ in flight during the element-wise work
+      // instead, ptxas serialised the wgmmas for want of registers: C7511.) In two parts, dQ's first part is
+      // added while Sᵀ / dPᵀ compute, its second while dV / dK do.
+      for (int i = 0; i < num_steps; ++i) {
+        if (i > 0) {
+          // Step i - 1's dQ, then step i's Sᵀ / dPᵀ: the dQ atomics run while Sᵀ / dPᵀ compute.
+          float acc_dq[kNTilesDq][4];
+          pass_turn();
+          const int seen = read_turn_early(i - 1);
+          issue_dq(i - 1, acc_dq, 0);
+          issue_scores(i, acc_s, acc_dp);
+          wgmma_wait<1>();  // dQ of step i - 1 (its first part)
+          register_fence(acc_dq);
+          add_dq(i - 1, acc_dq, 0, seen);
+          if constexpr (kDqParts == 2) issue_dq(i - 1, acc_dq, 1);
+          issue_grads(i - 1);
+          wgmma_wait<1>();  // Sᵀ, dPᵀ of step i (and dQ's second part); step i - 1's dV / dK may still run
+          if constexpr (kDqParts == 2) {
+            register_fence(acc_dq);
+            add_dq(i - 1, acc_dq, 1, 0);
+          }
+        } else {
+          issue_scores(i, acc_s, acc_dp);
+          wgmma_wait<0>();
+        }
+        register_fence(acc_s[0]);
+        register_fence(acc_dp[0]);
+        if (i == num_steps - 1) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
+        scores_to_gradients(i, acc_s, acc_dp);
+        if (i > 0) {
+          wgmma_wait<0>();  // step i - 1's dV / dK: its Pᵀ / dSᵀ buffers and its Q / dO are free
+          release_query_block(i - 1);
+        }
+        store_p_ds(i, acc_s, acc_dp);
+      }
+      if (num_steps > 0) {
+        float acc_dq[kNTilesDq][4];
+        // The last step's dQ and dV / dK issued together: the gradients' GEMMs run while the dQ is added.
+        pass_turn();
+        const int seen = read_turn_early(num_steps - 1);
+        issue_dq(num_steps - 1, acc_dq, 0);
+        issue_grads(num_steps - 1);
+        wgmma_wait<1>();
+        register_fence(acc_dq);
+        add_dq(num_steps - 1, acc_dq, 0, seen);
+        if constexpr (kDqParts == 2) {
+          issue_dq(num_steps - 1, acc_dq, 1);
+          wgmma_wait<0>();
+          register_fence(acc_dq);
+          add_dq(num_steps - 1, acc_dq, 1, 0);
+        }
+        pass_turn();  // the walk's last: at once (its successors wait for it)
+        wgmma_wait<0>();
+        release_query_block(num_steps - 1);
+        release_key_tile(bar_k_empty);  // the walk's last dQ completed
+      }
     }
     register_fence(acc_dk);
     register_fence(acc_dv);

@@ -137,6 +137,15 @@ __device__ __forceinline__ void register_fence(float (&tile)[kRows][kCols]) {
     for (int j = 0; j < kCols; ++j) asm volatile("" : "+f"(tile[i][j])::"memory");
   }
 }
+// The same for A fragments read by a wgmma in flight: kept in their registers until the wait.
+template <int kRows, int kCols>
+__device__ __forceinline__ void register_fence(uint32_t (&tile)[kRows][kCols]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) asm volatile("" : "+r"(tile[i][j])::"memory");
+  }
+}
 
 // Named barrier over `threads` threads (a multiple of 32); id 0 is __syncthreads's.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
