@@ -7,7 +7,7 @@ wrong answer does not pass.
     compute-sanitizer --tool racecheck python3 scripts/sanitize.py [--only forward,decode]
 
 --only: a comma list of the groups to run (dense, forward, features, decode; default all): racecheck takes
-minutes over all of them.
+minutes over all of them. --head-dims 64,128: only the dense cases of those head dims.
 """
 import argparse
 import os
@@ -22,7 +22,10 @@ from flash_ext.reference import attention_ref, attention_varlen_ref
 GROUPS = ("dense", "forward", "features", "decode")
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--only", default=",".join(GROUPS), help="comma list of groups: " + ", ".join(GROUPS))
-groups = set(parser.parse_args().only.split(","))
+parser.add_argument("--head-dims", help="comma list: only the dense group's cases of these head dims (default all)")
+args = parser.parse_args()
+groups = set(args.only.split(","))
+head_dims = None if args.head_dims is None else {int(d) for d in args.head_dims.split(",")}
 if not groups <= set(GROUPS):
     parser.error(f"--only: unknown group(s) {sorted(groups - set(GROUPS))}; expected some of {', '.join(GROUPS)}")
 
@@ -69,6 +72,8 @@ def check_case(batch, sq, sk, hq, hkv, hd, causal):
 
 
 for case in cases if "dense" in groups else []:
+    if head_dims is not None and case[5] not in head_dims:
+        continue
     started = time.monotonic()
     with flash_ext.testing.sm90_kernels(case not in SM80_CASES):
         check_case(*case)
