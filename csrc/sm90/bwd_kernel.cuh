@@ -10,8 +10,9 @@
 //   Pᵀ = exp2(Sᵀ scale log2(e) - lse log2(e)) and dSᵀ = Pᵀ ∘ (dPᵀ - D) (with softcap's factor, the
 //     band mask) in registers, stored in 16 bits to shared memory (stmatrix);
 //   dV += Pᵀ dO and dK += dSᵀ Q (wgmma, A = its own 64 rows of the stored Pᵀ / dSᵀ, B = dO / Q), issued
-//     with the next step's Sᵀ / dPᵀ and completing during the next step's element-wise work (at head_dim 64,
-//     A = Pᵀ / dSᵀ from registers, issued at once and completing in the step: BwdSm90Tile::kGradsFromRegisters);
+//     with the next step's Sᵀ / dPᵀ and completing during the next step's element-wise work; at head_dim 64
+//     and in the plain hd128 kernel instead A = Pᵀ / dSᵀ from registers, issued at once and completing in the
+//     step (BwdSm90Tile::kGradsFromRegisters, kStepsInOrder), with only dSᵀ stored;
 //   dQ = dS K for half of the head dim (A = dS read transposed from the stored dSᵀ of both warpgroups,
 //     handed over by named barriers, B = K), waited for at the start of the next step and added to the
 //     fp32 dQ accumulator with 16-byte atomics (common/dq_accum_layout.h).
@@ -125,10 +126,10 @@ struct BwdSm90Tile {
   static constexpr int kGradBytes = kBlockN * kHeadDim * 2;  // dK or dV of the CTA's keys, 16 bits
   // At head_dim 64: dV += Pᵀ dO and dK += dSᵀ Q with Pᵀ / dSᵀ from registers (wgmma's A operand in the
   // accumulator's layout: a warpgroup's 64 key rows are its own), issued and completed within the step that
-  // formed them: no Pᵀ store and no A reads from shared memory, 48 of the ~190 KB a warpgroup's step moves
-  // through it. bwd +10-13% at hd64 (2k / 8k, causal or not); at hd128 (24 of ~160 KB) flat to -2%, since dV /
-  // dK then no longer overlap the element-wise work; both kept in the pipelined form through shared memory
-  // (H200, 2026-12-03). Not at hd256, where each warpgroup's dK / dV need the other's Pᵀ / dSᵀ.
+  // formed them, the next step's Sᵀ / dPᵀ issued beside dQ: no Pᵀ store and no A reads from shared memory, 48
+  // of the ~190 KB a warpgroup's step moves through it; bwd +11-16% (H200, 2026-12-03). At hd128 this schedule
+  // measured flat to -2% (dV / dK no longer overlap the element-wise work); the plain hd128 kernel runs its
+  // own (kStepsInOrder in the kernel). Not at hd256, where each warpgroup's dK / dV need the other's Pᵀ / dSᵀ.
   static constexpr bool kGradsFromRegisters = kHeadDim == 64;
   static constexpr bool kGradsByTma = kGradBytes <= 2 * kDsBytes;
   static_assert(kSmemBytes <= 227 * 1024, "the sm90 dK/dV kernel's shared memory exceeds a CTA's 227 KB");
@@ -238,7 +239,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   // dQ: 64 queries x kDqCols, computed in kDqParts parts of kDqCols / kDqParts columns. Two in the persistent
   // kernel, whose consumers have 240 registers: with the whole dQ in flight beside Sᵀ / dPᵀ, the accumulators
   // alone took 224 of them and ptxas serialised the wgmmas (C7512) and spilled 152 bytes (hd128).
-  constexpr int kDqParts = kPersistent ? 2 : 1;
+  // At hd128 without softcap / ALiBi / dropout or the ordered dQ: each step's GEMMs issued and completed within
+  // the step, in FlashAttention-4's order: dV / dK from registers, dQ in one part, nothing of the next step in
+  // flight. bwd +4-12% against the pipelined form (2k-16k, causal or not; H200, 2026-12-03); the variants
+  // keep that form (their extra registers, and the ordered dQ's turn keepers take dQ in two parts).
+  constexpr bool kStepsInOrder = kHeadDim == 128 && kPersistent && !kOrderedDq;
+  constexpr int kDqParts = kPersistent && !kStepsInOrder ? 2 : 1;
   constexpr int kNTilesDq = Tile::kDqCols / kDqParts / 8;
 
   // Declared 1024-byte aligned, the period of the 128-byte swizzle (computed from absolute addresses), so
@@ -580,7 +586,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     if (num_steps > 0) mbarrier_wait(bar_kv_full, kv_phase);
 
     // Sᵀ and dPᵀ of step i: issued and committed (one group), not waited for.
-    auto issue_scores = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4]) {
+    auto issue_scores = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4],
+                            bool two_groups) {
       const int stage = stage_of(i);
       mbarrier_wait(bar_q_full(stage), phase_of(i));
       wgmma_fence();
@@ -588,6 +595,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       for (int t = 0; t < kHeadDim / 16; ++t) {
         MmaS::template ss<0>(acc_s[0], kv_scores_descriptor(smem_k, t), query_scores_descriptor(smem_q(stage), t), t);
       }
+      if (two_groups) wgmma_commit();  // Sᵀ, then dPᵀ (a constant at every call; a generic lambda here crashes cicc)
 #pragma unroll
       for (int t = 0; t < kHeadDim / 16; ++t) {
         MmaS::template ss<0>(acc_dp[0], kv_scores_descriptor(smem_v, t), query_scores_descriptor(smem_dout(stage), t),
@@ -600,7 +608,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     // element-wise mask unless every query row is valid and sees every one of the warp's 16 keys (band rows
     // grow monotonically: the corners decide; band.end clamps at len_k). Masked entries get P = dS = 0 by
     // selects (their lse / D may be padding).
-    auto scores_to_gradients = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4]) {
+    // part (a constant at every call, folded once inlined): 0 both;
+    // without softcap / ALiBi / dropout also 1, Pᵀ only (while dPᵀ computes), and 2, dSᵀ from that Pᵀ.
+    auto scores_to_gradients = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4],
+                                   int part) {
       const int stage = stage_of(i);
       const int head = step_head(i);
       const int first_query = step_first_query(i);
@@ -649,22 +660,28 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
                                       static_cast<float>(key), tanh_value);
                 grad_factor = 1.f - tanh_value * tanh_value;
               }
-              // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep · scale - D) ∘ (1 - tanh²) takes P itself.
-              const float p = exp2f(fmaf(score, params.scale_log2, -lse[query]));
-              float p_for_dv = p, dp = acc_dp[0][j][r];
-              if constexpr (kDropout) {
-                const bool kept = keep_bits[j / kKeepTiles] >> ((half * kKeepTiles + j % kKeepTiles) * 2 + e) & 1;
-                p_for_dv = kept ? p * params.dropout_scale : 0.f;
-                dp = kept ? dp * params.dropout_scale : 0.f;
+              if (!kExtras && part == 2) {
+                float ds = acc_s[0][j][r] * (acc_dp[0][j][r] - d[query]);
+                if constexpr (decltype(masked)::value) ds = query >= lo && query <= hi ? ds : 0.f;
+                acc_dp[0][j][r] = ds;
+              } else {
+                // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep · scale - D) ∘ (1 - tanh²) takes P itself.
+                const float p = exp2f(fmaf(score, params.scale_log2, -lse[query]));
+                float p_for_dv = p, dp = !kExtras && part == 1 ? 0.f : acc_dp[0][j][r];  // part 1: dPᵀ still computing
+                if constexpr (kDropout) {
+                  const bool kept = keep_bits[j / kKeepTiles] >> ((half * kKeepTiles + j % kKeepTiles) * 2 + e) & 1;
+                  p_for_dv = kept ? p * params.dropout_scale : 0.f;
+                  dp = kept ? dp * params.dropout_scale : 0.f;
+                }
+                float ds = p * grad_factor * (dp - d[query]);
+                if constexpr (decltype(masked)::value) {
+                  const bool visible = query >= lo && query <= hi;
+                  p_for_dv = visible ? p_for_dv : 0.f;
+                  ds = visible ? ds : 0.f;
+                }
+                acc_s[0][j][r] = p_for_dv;
+                if (kExtras || part == 0) acc_dp[0][j][r] = ds;
               }
-              float ds = p * grad_factor * (dp - d[query]);
-              if constexpr (decltype(masked)::value) {
-                const bool visible = query >= lo && query <= hi;
-                p_for_dv = visible ? p_for_dv : 0.f;
-                ds = visible ? ds : 0.f;
-              }
-              acc_s[0][j][r] = p_for_dv;
-              acc_dp[0][j][r] = ds;
             }
           }
         }
@@ -816,7 +833,50 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
 
     float acc_s[1][kNTilesS][4];   // Sᵀ, then Pᵀ in place
     float acc_dp[1][kNTilesS][4];  // dPᵀ, then dSᵀ in place
-    if constexpr (Tile::kGradsFromRegisters) {
+    if constexpr (kStepsInOrder) {
+      // Per step i (FlashAttention-4's order): Sᵀ and dPᵀ issued as two groups; Pᵀ formed once Sᵀ completed
+      // (while dPᵀ computes), dSᵀ once dPᵀ did; dV issued from Pᵀ's fragments; dSᵀ stored and, once the other
+      // warpgroup's half is too, dQ (all of this warpgroup's 64 columns) and dK (from dSᵀ's fragments) issued;
+      // dQ added once dV and it completed, while dK computes. Nothing of the next step is in flight: at most
+      // dK + dV + Sᵀ / dPᵀ, or dK + dV + the fragments + dQ (192 registers each at hd128).
+      for (int i = 0; i < num_steps; ++i) {
+        const int stage = stage_of(i);
+        issue_scores(i, acc_s, acc_dp, true);
+        wgmma_wait<1>();  // Sᵀ
+        register_fence(acc_s[0]);
+        scores_to_gradients(i, acc_s, acc_dp, 1);
+        wgmma_wait<0>();  // dPᵀ
+        register_fence(acc_dp[0]);
+        if (i == num_steps - 1) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
+        scores_to_gradients(i, acc_s, acc_dp, 2);
+        accumulator_to_a_fragments<Element>(acc_s, frag_p);
+        accumulator_to_a_fragments<Element>(acc_dp, frag_ds);
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < kBlockM / 16; ++t) {
+          MmaGrad::template rs<1>(acc_dv, frag_p[0][t], query_grad_descriptor(smem_dout(stage), t), 1);
+        }
+        wgmma_commit();
+        store_fragments(smem_ds(i % 2), frag_ds);
+        announce_ds(i);
+        float acc_dq[kNTilesDq][4];
+        issue_dq(i, acc_dq, 0);
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < kBlockM / 16; ++t) {
+          MmaGrad::template rs<1>(acc_dk, frag_ds[0][t], query_grad_descriptor(smem_q(stage), t), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // dV and dQ
+        register_fence(acc_dq);
+        add_dq(i, acc_dq, 0, 0);
+        wgmma_wait<0>();  // dK: the fragments and the query buffer are free
+        register_fence(frag_p[0]);
+        register_fence(frag_ds[0]);
+        release_query_block(i);
+      }
+      if (num_steps > 0) release_key_tile(bar_k_empty);  // the walk's last dQ completed
+    } else if constexpr (Tile::kGradsFromRegisters) {
       // Per step i: Pᵀ / dSᵀ formed from the completed Sᵀ / dPᵀ, dV / dK issued from registers and dSᵀ stored;
       // dQ part 0 issued; once dV / dK completed, the query buffer released and step i + 1's Sᵀ / dPᵀ issued;
       // the dQ parts added while they compute. dV / dK are issued and waited for in the same iteration: in
@@ -826,7 +886,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         register_fence(acc_s[0]);
         register_fence(acc_dp[0]);
         if (!decltype(has_next)::value) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
-        scores_to_gradients(i, acc_s, acc_dp);
+        scores_to_gradients(i, acc_s, acc_dp, 0);
         issue_grads_from_registers(i, acc_s, acc_dp);
         float acc_dq[kNTilesDq][4];
         pass_turn();
@@ -837,7 +897,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         register_fence(frag_ds[0]);
         release_query_block(i);
         if constexpr (decltype(has_next)::value) {
-          issue_scores(i + 1, acc_s, acc_dp);
+          issue_scores(i + 1, acc_s, acc_dp, false);
           wgmma_wait<1>();  // dQ part 0
         } else {
           wgmma_wait<0>();
@@ -854,7 +914,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         }
       };
       if (num_steps > 0) {
-        issue_scores(0, acc_s, acc_dp);
+        issue_scores(0, acc_s, acc_dp, false);
         wgmma_wait<0>();
         for (int i = 0; i < num_steps - 1; ++i) step(i, std::true_type{});
         step(num_steps - 1, std::false_type{});
@@ -875,7 +935,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
           pass_turn();
           const int seen = read_turn_early(i - 1);
           issue_dq(i - 1, acc_dq, 0);
-          issue_scores(i, acc_s, acc_dp);
+          issue_scores(i, acc_s, acc_dp, false);
           wgmma_wait<1>();  // dQ of step i - 1 (its first part)
           register_fence(acc_dq);
           add_dq(i - 1, acc_dq, 0, seen);
@@ -887,13 +947,13 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
             add_dq(i - 1, acc_dq, 1, 0);
           }
         } else {
-          issue_scores(i, acc_s, acc_dp);
+          issue_scores(i, acc_s, acc_dp, false);
           wgmma_wait<0>();
         }
         register_fence(acc_s[0]);
         register_fence(acc_dp[0]);
         if (i == num_steps - 1) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
-        scores_to_gradients(i, acc_s, acc_dp);
+        scores_to_gradients(i, acc_s, acc_dp, 0);
         if (i > 0) {
           wgmma_wait<0>();  // step i - 1's dV / dK: its Pᵀ / dSᵀ buffers and its Q / dO are free
           release_query_block(i - 1);
