@@ -737,24 +737,28 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       wgmma_commit();
     };
 
-    // kGradsFromRegisters: step i's Pᵀ / dSᵀ in 16 bits (A fragments, live until the GEMMs below completed), dV /
-    // dK issued from them and committed, not waited for; then dSᵀ stored for dQ and announced.
+    // Step i's Pᵀ / dSᵀ in 16 bits as A fragments (kGradsFromRegisters, kStepsInOrder), live until the GEMMs
+    // reading them completed; dV += Pᵀ dO or dK += dSᵀ Q from them (B = `operands`: step i's dO or Q), issued
+    // after the caller's wgmma_fence, not committed.
     uint32_t frag_p[1][kNTilesS / 2][4];
     uint32_t frag_ds[1][kNTilesS / 2][4];
+    auto issue_grad_from_registers = [&](float (&acc)[kNTilesGrad][4], const uint32_t (&frag)[1][kNTilesS / 2][4],
+                                         uint32_t operands) {
+#pragma unroll
+      for (int t = 0; t < kBlockM / 16; ++t) {
+        MmaGrad::template rs<1>(acc, frag[0][t], query_grad_descriptor(operands, t), 1);
+      }
+    };
+    // kGradsFromRegisters: dV and dK of step i issued from the fragments and committed, not waited for; then
+    // dSᵀ stored for dQ and announced.
     auto issue_grads_from_registers = [&](int i, const float (&acc_s)[1][kNTilesS][4],
                                           const float (&acc_dp)[1][kNTilesS][4]) {
       const int stage = stage_of(i);
       accumulator_to_a_fragments<Element>(acc_s, frag_p);
       accumulator_to_a_fragments<Element>(acc_dp, frag_ds);
       wgmma_fence();
-#pragma unroll
-      for (int t = 0; t < kBlockM / 16; ++t) {
-        MmaGrad::template rs<1>(acc_dv, frag_p[0][t], query_grad_descriptor(smem_dout(stage), t), 1);
-      }
-#pragma unroll
-      for (int t = 0; t < kBlockM / 16; ++t) {
-        MmaGrad::template rs<1>(acc_dk, frag_ds[0][t], query_grad_descriptor(smem_q(stage), t), 1);
-      }
+      issue_grad_from_registers(acc_dv, frag_p, smem_dout(stage));
+      issue_grad_from_registers(acc_dk, frag_ds, smem_q(stage));
       wgmma_commit();
       store_fragments(smem_ds(i % 2), frag_ds);
       announce_ds(i);
@@ -852,20 +856,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         accumulator_to_a_fragments<Element>(acc_s, frag_p);
         accumulator_to_a_fragments<Element>(acc_dp, frag_ds);
         wgmma_fence();
-#pragma unroll
-        for (int t = 0; t < kBlockM / 16; ++t) {
-          MmaGrad::template rs<1>(acc_dv, frag_p[0][t], query_grad_descriptor(smem_dout(stage), t), 1);
-        }
+        issue_grad_from_registers(acc_dv, frag_p, smem_dout(stage));
         wgmma_commit();
         store_fragments(smem_ds(i % 2), frag_ds);
         announce_ds(i);
         float acc_dq[kNTilesDq][4];
         issue_dq(i, acc_dq, 0);
         wgmma_fence();
-#pragma unroll
-        for (int t = 0; t < kBlockM / 16; ++t) {
-          MmaGrad::template rs<1>(acc_dk, frag_ds[0][t], query_grad_descriptor(smem_q(stage), t), 1);
-        }
+        issue_grad_from_registers(acc_dk, frag_ds, smem_q(stage));
         wgmma_commit();
         wgmma_wait<1>();  // dV and dQ
         register_fence(acc_dq);
