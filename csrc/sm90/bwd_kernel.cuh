@@ -236,10 +236,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr int kStages = Tile::kStages;
   constexpr int kNTilesS = Tile::kScoreQueries / 8;  // a warpgroup's Sᵀ: 64 keys x kScoreQueries queries
   constexpr int kNTilesGrad = Tile::kGradCols / 8;   // dK, dV: 64 keys x kGradCols
-  // dQ: 64 queries x kDqCols, computed in kDqParts parts of kDqCols / kDqParts columns. Two in the persistent
-  // kernel, whose consumers have 240 registers: with the whole dQ in flight beside Sᵀ / dPᵀ, the accumulators
-  // alone took 224 of them and ptxas serialised the wgmmas (C7512) and spilled 152 bytes (hd128).
-  // At hd128 without softcap / ALiBi / dropout or the ordered dQ: each step's GEMMs issued and completed within
+  // dQ: 64 queries x kDqCols, computed in kDqParts parts of kDqCols / kDqParts columns. Two where the persistent
+  // kernel's dQ is in flight beside Sᵀ / dPᵀ (240 registers a consumer: the whole dQ there took the
+  // accumulators to 224 and ptxas serialised the wgmmas, C7512, and spilled 152 bytes at hd128); one where
+  // nothing else is (kStepsInOrder below, and the per-walk kernel). At hd128 without softcap / ALiBi / dropout or the ordered dQ: each step's GEMMs issued and completed within
   // the step, in FlashAttention-4's order: dV / dK from registers, dQ in one part, nothing of the next step in
   // flight. bwd +4-12% against the pipelined form (2k-16k, causal or not; H200, 2026-12-03); the variants
   // keep that form (their extra registers, and the ordered dQ's turn keepers take dQ in two parts).
