@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   // flight. bwd +4-12% against the pipelined form (2k-16k, causal or not; H200, 2026-12-03); the variants
   // keep that form (their extra registers, and the ordered dQ's turn keepers take dQ in two parts).
   constexpr bool kStepsInOrder = kHeadDim == 128 && kPersistent && !kOrderedDq;
-  constexpr int kDqParts = kPersistent && !kStepsInOrder ? 2 : 1;
+  constexpr int kDqParts = kPersistent && (!kStepsInOrder || kOrderedDq) ? 2 : 1;
   constexpr int kNTilesDq = Tile::kDqCols / kDqParts / 8;
 
   // Declared 1024-byte aligned, the period of the 128-byte swizzle (computed from absolute addresses), so
@@ -845,14 +845,22 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       // dK + dV + Sᵀ / dPᵀ, or dK + dV + the fragments + dQ (192 registers each at hd128).
       for (int i = 0; i < num_steps; ++i) {
         const int stage = stage_of(i);
-        issue_scores(i, acc_s, acc_dp, true);
-        wgmma_wait<1>();  // Sᵀ
-        register_fence(acc_s[0]);
-        scores_to_gradients(i, acc_s, acc_dp, 1);
-        wgmma_wait<0>();  // dPᵀ
-        register_fence(acc_dp[0]);
-        if (i == num_steps - 1) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
-        scores_to_gradients(i, acc_s, acc_dp, 2);
+        issue_scores(i, acc_s, acc_dp, !kExtras);
+        if constexpr (!kExtras) {
+          wgmma_wait<1>();  // Sᵀ
+          register_fence(acc_s[0]);
+          scores_to_gradients(i, acc_s, acc_dp, 1);
+          wgmma_wait<0>();  // dPᵀ
+          register_fence(acc_dp[0]);
+          if (i == num_steps - 1) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
+          scores_to_gradients(i, acc_s, acc_dp, 2);
+        } else {
+          // softcap / ALiBi / dropout: Pᵀ and dSᵀ in one pass (dSᵀ needs softcap's factor and the keep bits).
+          wgmma_wait<0>();
+          register_fence(acc_s[0]);
+          register_fence(acc_dp[0]);
+          scores_to_gradients(i, acc_s, acc_dp, 0);
+        }
         accumulator_to_a_fragments<Element>(acc_s, frag_p);
         accumulator_to_a_fragments<Element>(acc_dp, frag_ds);
         wgmma_fence();
@@ -861,18 +869,29 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         store_fragments(smem_ds(i % 2), frag_ds);
         announce_ds(i);
         float acc_dq[kNTilesDq][4];
+        pass_turn();
+        const int seen = read_turn_early(i);
         issue_dq(i, acc_dq, 0);
         wgmma_fence();
         issue_grad_from_registers(acc_dk, frag_ds, smem_q(stage));
         wgmma_commit();
-        wgmma_wait<1>();  // dV and dQ
+        wgmma_wait<1>();  // dV and dQ (its first part)
         register_fence(acc_dq);
-        add_dq(i, acc_dq, 0, 0);
-        wgmma_wait<0>();  // dK: the fragments and the query buffer are free
+        add_dq(i, acc_dq, 0, seen);
+        if constexpr (kDqParts == 2) {
+          issue_dq(i, acc_dq, 1);
+          wgmma_wait<0>();  // dK and dQ's second part
+          register_fence(acc_dq);
+          add_dq(i, acc_dq, 1, 0);
+        } else {
+          wgmma_wait<0>();  // dK
+        }
+        // The fragments and the query buffer are free.
         register_fence(frag_p[0]);
         register_fence(frag_ds[0]);
         release_query_block(i);
       }
+      pass_turn();  // the walk's last: at once (its successors wait for it)
       if (num_steps > 0) release_key_tile(bar_k_empty);  // the walk's last dQ completed
     } else if constexpr (Tile::kGradsFromRegisters) {
       // Per step i: Pᵀ / dSᵀ formed from the completed Sᵀ / dPᵀ, dV / dK issued from registers and dSᵀ stored;
