@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   // the step, in FlashAttention-4's order: dV / dK from registers, dQ in one part, nothing of the next step in
   // flight. bwd +4-12% against the pipelined form (2k-16k, causal or not; H200, 2026-12-03); the variants
   // keep that form (their extra registers, and the ordered dQ's turn keepers take dQ in two parts).
-  constexpr bool kStepsInOrder = kHeadDim == 128 && kPersistent && !kOrderedDq;
+  constexpr bool kStepsInOrder = kHeadDim == 128;
   constexpr int kDqParts = kPersistent && (!kStepsInOrder || kOrderedDq) ? 2 : 1;
   constexpr int kNTilesDq = Tile::kDqCols / kDqParts / 8;
 
