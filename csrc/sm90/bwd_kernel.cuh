@@ -11,8 +11,8 @@
 //     band mask) in registers, stored in 16 bits to shared memory (stmatrix);
 //   dV += Pᵀ dO and dK += dSᵀ Q (wgmma, A = its own 64 rows of the stored Pᵀ / dSᵀ, B = dO / Q), issued
 //     with the next step's Sᵀ / dPᵀ and completing during the next step's element-wise work; at head_dim 64
-//     and in the plain hd128 kernel instead A = Pᵀ / dSᵀ from registers, issued at once and completing in the
-//     step (BwdSm90Tile::kGradsFromRegisters, kStepsInOrder), with only dSᵀ stored;
+//     and hd128 instead A = Pᵀ / dSᵀ from registers, issued at once and completing in the step
+//     (BwdSm90Tile::kGradsFromRegisters, kStepsInOrder), with only dSᵀ stored;
 //   dQ = dS K for half of the head dim (A = dS read transposed from the stored dSᵀ of both warpgroups,
 //     handed over by named barriers, B = K), waited for at the start of the next step and added to the
 //     fp32 dQ accumulator with 16-byte atomics (common/dq_accum_layout.h).
@@ -128,8 +128,8 @@ struct BwdSm90Tile {
   // accumulator's layout: a warpgroup's 64 key rows are its own), issued and completed within the step that
   // formed them, the next step's Sᵀ / dPᵀ issued beside dQ: no Pᵀ store and no A reads from shared memory, 48
   // of the ~190 KB a warpgroup's step moves through it; bwd +11-16% (H200, 2026-12-03). At hd128 this schedule
-  // measured flat to -2% (dV / dK no longer overlap the element-wise work); the plain hd128 kernel runs its
-  // own (kStepsInOrder in the kernel). Not at hd256, where each warpgroup's dK / dV need the other's Pᵀ / dSᵀ.
+  // measured flat to -2% (dV / dK no longer overlap the element-wise work); hd128 runs its own (kStepsInOrder
+  // in the kernel), which at hd64 measured flat again. Not at hd256, where each warpgroup's dK / dV need the other's Pᵀ / dSᵀ.
   static constexpr bool kGradsFromRegisters = kHeadDim == 64;
   static constexpr bool kGradsByTma = kGradBytes <= 2 * kDsBytes;
   static_assert(kSmemBytes <= 227 * 1024, "the sm90 dK/dV kernel's shared memory exceeds a CTA's 227 KB");
@@ -236,13 +236,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr int kStages = Tile::kStages;
   constexpr int kNTilesS = Tile::kScoreQueries / 8;  // a warpgroup's Sᵀ: 64 keys x kScoreQueries queries
   constexpr int kNTilesGrad = Tile::kGradCols / 8;   // dK, dV: 64 keys x kGradCols
+  // kStepsInOrder (every hd128 variant): each step's GEMMs issued and completed within the step, in
+  // FlashAttention-4's order: dV / dK from registers, nothing of the next step in flight. Against the pipelined
+  // form (H200, 2026-12-03): plain bwd +4-12% (2k-16k, causal or not), deterministic +2-5%, softcap / ALiBi /
+  // dropout bwd time -5 / -7 / -3% at 8k.
   // dQ: 64 queries x kDqCols, computed in kDqParts parts of kDqCols / kDqParts columns. Two where the persistent
   // kernel's dQ is in flight beside Sᵀ / dPᵀ (240 registers a consumer: the whole dQ there took the
-  // accumulators to 224 and ptxas serialised the wgmmas, C7512, and spilled 152 bytes at hd128); one where
-  // nothing else is (kStepsInOrder below, and the per-walk kernel). At hd128 without softcap / ALiBi / dropout or the ordered dQ: each step's GEMMs issued and completed within
-  // the step, in FlashAttention-4's order: dV / dK from registers, dQ in one part, nothing of the next step in
-  // flight. bwd +4-12% against the pipelined form (2k-16k, causal or not; H200, 2026-12-03); the variants
-  // keep that form (their extra registers, and the ordered dQ's turn keepers take dQ in two parts).
+  // accumulators to 224 and ptxas serialised the wgmmas, C7512, and spilled 152 bytes at hd128), and for the
+  // ordered dQ's turn keepers (one per part); else one.
   constexpr bool kStepsInOrder = kHeadDim == 128;
   constexpr int kDqParts = kPersistent && (!kStepsInOrder || kOrderedDq) ? 2 : 1;
   constexpr int kNTilesDq = Tile::kDqCols / kDqParts / 8;
@@ -839,10 +840,11 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     float acc_dp[1][kNTilesS][4];  // dPᵀ, then dSᵀ in place
     if constexpr (kStepsInOrder) {
       // Per step i (FlashAttention-4's order): Sᵀ and dPᵀ issued as two groups; Pᵀ formed once Sᵀ completed
-      // (while dPᵀ computes), dSᵀ once dPᵀ did; dV issued from Pᵀ's fragments; dSᵀ stored and, once the other
-      // warpgroup's half is too, dQ (all of this warpgroup's 64 columns) and dK (from dSᵀ's fragments) issued;
-      // dQ added once dV and it completed, while dK computes. Nothing of the next step is in flight: at most
-      // dK + dV + Sᵀ / dPᵀ, or dK + dV + the fragments + dQ (192 registers each at hd128).
+      // (while dPᵀ computes), dSᵀ once dPᵀ did (both at once with softcap / ALiBi / dropout); dV issued from
+      // Pᵀ's fragments; dSᵀ stored and, once the other warpgroup's half is too, dQ (this warpgroup's 64 columns,
+      // or their first half) and dK (from dSᵀ's fragments) issued; dQ added once dV and it completed, while dK
+      // computes (a second part after that). Nothing of the next step is in flight: at most dK + dV + Sᵀ / dPᵀ,
+      // or dK + dV + the fragments + dQ (192 registers each in the plain kernel).
       for (int i = 0; i < num_steps; ++i) {
         const int stage = stage_of(i);
         issue_scores(i, acc_s, acc_dp, !kExtras);
