@@ -129,7 +129,8 @@ struct BwdSm90Tile {
   // formed them, the next step's Sᵀ / dPᵀ issued beside dQ: no Pᵀ store and no A reads from shared memory, 48
   // of the ~190 KB a warpgroup's step moves through it; bwd +11-16% (H200, 2026-12-03). At hd128 this schedule
   // measured flat to -2% (dV / dK no longer overlap the element-wise work); hd128 runs its own (kStepsInOrder
-  // in the kernel), which at hd64 measured flat again. Not at hd256, where each warpgroup's dK / dV need the other's Pᵀ / dSᵀ.
+  // in the kernel), which at hd64 measured flat again. Not at hd256, where each warpgroup's dK / dV need the
+  // other's Pᵀ / dSᵀ.
   static constexpr bool kGradsFromRegisters = kHeadDim == 64;
   static constexpr bool kGradsByTma = kGradBytes <= 2 * kDsBytes;
   static_assert(kSmemBytes <= 227 * 1024, "the sm90 dK/dV kernel's shared memory exceeds a CTA's 227 KB");
