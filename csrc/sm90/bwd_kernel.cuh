@@ -610,9 +610,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     // element-wise mask unless every query row is valid and sees every one of the warp's 16 keys (band rows
     // grow monotonically: the corners decide; band.end clamps at len_k). Masked entries get P = dS = 0 by
     // selects (their lse / D may be padding).
-    // part (a constant at every call, folded once inlined): 0 both; 1, Pᵀ only (while dPᵀ computes; with
-    // softcap / ALiBi / dropout also P (1 - tanh²) into acc_pg), and 2, dSᵀ from part 1's values.
-    float acc_pg[1][kNTilesS][4];
+    // part (a constant at every call, folded once inlined): 0 both;
+    // without softcap / ALiBi / dropout also 1, Pᵀ only (while dPᵀ computes), and 2, dSᵀ from that Pᵀ.
     auto scores_to_gradients = [&](int i, float (&acc_s)[1][kNTilesS][4], float (&acc_dp)[1][kNTilesS][4],
                                    int part) {
       const int stage = stage_of(i);
@@ -632,7 +631,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
 #pragma unroll
       for (int w = 0; w < kNTilesS / kKeepTiles; ++w) {
         keep_bits[w] = ~0u;
-        if (kDropout && part != 2) {
+        if constexpr (kDropout) {
           keep_bits[w] = transposed_keep_bits<1, kKeepTiles>(
               philox_seed_offset(params), static_cast<uint64_t>(batch) * params.heads_q + head,
               first_query + thread_query + 8 * kKeepTiles * w, thread_key, params.dropout_threshold);
@@ -656,53 +655,34 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
             for (int e = 0; e < 2; ++e) {
               const int query = thread_query + 8 * j + e;
               const int r = 2 * half + e;
-              if (part == 2 && kExtras) {
-                // dSᵀ from part 1's P (1 - tanh²), negated where dropout drops the element.
-                float pg = acc_pg[0][j][r], dp = acc_dp[0][j][r];
-                if constexpr (kDropout) {
-                  const bool kept = (__float_as_uint(pg) >> 31) == 0;
-                  pg = fabsf(pg);
-                  dp = kept ? dp * params.dropout_scale : 0.f;
-                }
-                float ds = pg * (dp - d[query]);
-                if constexpr (decltype(masked)::value) ds = query >= lo && query <= hi ? ds : 0.f;  // D: padding
-                acc_dp[0][j][r] = ds;
-              } else if (part == 2) {
+              float score = acc_s[0][j][r], grad_factor = 1.f;
+              if constexpr (kExtras) {
+                float tanh_value;
+                score = mod.raw_score(score, first_query_on_diagonal + static_cast<float>(8 * j + e),
+                                      static_cast<float>(key), tanh_value);
+                grad_factor = 1.f - tanh_value * tanh_value;
+              }
+              if (!kExtras && part == 2) {
                 float ds = acc_s[0][j][r] * (acc_dp[0][j][r] - d[query]);
                 if constexpr (decltype(masked)::value) ds = query >= lo && query <= hi ? ds : 0.f;
                 acc_dp[0][j][r] = ds;
               } else {
-                float score = acc_s[0][j][r], grad_factor = 1.f;
-                if constexpr (kExtras) {
-                  float tanh_value;
-                  score = mod.raw_score(score, first_query_on_diagonal + static_cast<float>(8 * j + e),
-                                        static_cast<float>(key), tanh_value);
-                  grad_factor = 1.f - tanh_value * tanh_value;
-                }
-                // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep · scale - D) ∘ (1 - tanh²) takes P
-                // itself.
+                // dV takes the dropped, rescaled P; dS = P ∘ (dP ∘ keep · scale - D) ∘ (1 - tanh²) takes P itself.
                 const float p = exp2f(fmaf(score, params.scale_log2, -lse[query]));
-                float p_for_dv = p, dp = part == 1 ? 0.f : acc_dp[0][j][r];  // part 1: dPᵀ still computing
-                [[maybe_unused]] bool kept = true;
+                float p_for_dv = p, dp = !kExtras && part == 1 ? 0.f : acc_dp[0][j][r];  // part 1: dPᵀ still computing
                 if constexpr (kDropout) {
-                  kept = keep_bits[j / kKeepTiles] >> ((half * kKeepTiles + j % kKeepTiles) * 2 + e) & 1;
+                  const bool kept = keep_bits[j / kKeepTiles] >> ((half * kKeepTiles + j % kKeepTiles) * 2 + e) & 1;
                   p_for_dv = kept ? p * params.dropout_scale : 0.f;
                   dp = kept ? dp * params.dropout_scale : 0.f;
                 }
-                float pg = p * grad_factor;
-                float ds = pg * (dp - d[query]);
+                float ds = p * grad_factor * (dp - d[query]);
                 if constexpr (decltype(masked)::value) {
                   const bool visible = query >= lo && query <= hi;
                   p_for_dv = visible ? p_for_dv : 0.f;
                   ds = visible ? ds : 0.f;
-                  pg = visible ? pg : 0.f;
                 }
                 acc_s[0][j][r] = p_for_dv;
-                if (part == 0) {
-                  acc_dp[0][j][r] = ds;
-                } else if constexpr (kExtras) {
-                  acc_pg[0][j][r] = kept ? pg : -pg;
-                }
+                if (kExtras || part == 0) acc_dp[0][j][r] = ds;
               }
             }
           }
@@ -861,21 +841,29 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     float acc_dp[1][kNTilesS][4];  // dPᵀ, then dSᵀ in place
     if constexpr (kStepsInOrder) {
       // Per step i (FlashAttention-4's order): Sᵀ and dPᵀ issued as two groups; Pᵀ formed once Sᵀ completed
-      // (while dPᵀ computes; with softcap / ALiBi / dropout also P (1 - tanh²)), dSᵀ once dPᵀ did; dV issued
-      // from Pᵀ's fragments; dSᵀ stored and, once the other warpgroup's half is too, dQ (this warpgroup's 64 columns,
+      // (while dPᵀ computes), dSᵀ once dPᵀ did (both at once with softcap / ALiBi / dropout); dV issued from
+      // Pᵀ's fragments; dSᵀ stored and, once the other warpgroup's half is too, dQ (this warpgroup's 64 columns,
       // or their first half) and dK (from dSᵀ's fragments) issued; dQ added once dV and it completed, while dK
       // computes (a second part after that). Nothing of the next step is in flight: at most dK + dV + Sᵀ / dPᵀ,
       // or dK + dV + the fragments + dQ (192 registers each in the plain kernel).
       for (int i = 0; i < num_steps; ++i) {
         const int stage = stage_of(i);
-        issue_scores(i, acc_s, acc_dp, true);
-        wgmma_wait<1>();  // Sᵀ
-        register_fence(acc_s[0]);
-        scores_to_gradients(i, acc_s, acc_dp, 1);
-        wgmma_wait<0>();  // dPᵀ
-        register_fence(acc_dp[0]);
-        if (i == num_steps - 1) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
-        scores_to_gradients(i, acc_s, acc_dp, 2);
+        issue_scores(i, acc_s, acc_dp, !kExtras);
+        if constexpr (!kExtras) {
+          wgmma_wait<1>();  // Sᵀ
+          register_fence(acc_s[0]);
+          scores_to_gradients(i, acc_s, acc_dp, 1);
+          wgmma_wait<0>();  // dPᵀ
+          register_fence(acc_dp[0]);
+          if (i == num_steps - 1) release_key_tile(bar_v_empty);  // the walk's last dPᵀ completed
+          scores_to_gradients(i, acc_s, acc_dp, 2);
+        } else {
+          // softcap / ALiBi / dropout: Pᵀ and dSᵀ in one pass (dSᵀ needs softcap's factor and the keep bits).
+          wgmma_wait<0>();
+          register_fence(acc_s[0]);
+          register_fence(acc_dp[0]);
+          scores_to_gradients(i, acc_s, acc_dp, 0);
+        }
         accumulator_to_a_fragments<Element>(acc_s, frag_p);
         accumulator_to_a_fragments<Element>(acc_dp, frag_ds);
         wgmma_fence();
