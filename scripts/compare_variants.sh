@@ -24,7 +24,8 @@
 # TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all), TEST_PATHS (with
 # --tests: the test files or directories, default tests: the whole CUDA suite takes ~4 min on an H200),
 # TEST_TIMEOUT_S (default 240), SANITIZE_TOOLS (default "memcheck racecheck"), SANITIZE_ARGS (sanitize.py's, e.g.
-# "--only forward"), SANITIZE_TIMEOUT_S (per tool, default 240; each tool's log comes back as $OUT/<name>_<tool>.log),
+# "--only forward"), SANITIZE_TIMEOUT_S (per tool, default 240; a failing tool's log comes back as $OUT/<name>_<tool>.log: a
+# call returns at most 8 files),
 # VARIANTS (a comma list of the .exp/ worktrees to measure beside the checkout;
 # default all of them), FEATURE_ARGS (more bench_features.py arguments, e.g. "--head-dim 64").
 set -uo pipefail
@@ -94,8 +95,9 @@ prepare() {  # name dir: build, ptxas summary, tests; a failed build leaves $OUT
           # shellcheck disable=SC2086  # SANITIZE_ARGS: words
           PYTHONPATH="$PWD" timeout "${SANITIZE_TIMEOUT_S:-240}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
             "$PY" scripts/sanitize.py ${SANITIZE_ARGS:-} >"/tmp/sanitize_${name}_$tool.log" 2>&1
-          echo "sanitize $tool: rc $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/sanitize_${name}_$tool.log" | tail -n 1))"
-          head -c 200000 "/tmp/sanitize_${name}_$tool.log" >"$OUT/${name}_$tool.log"
+          local rc=$?
+          echo "sanitize $tool: rc $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/sanitize_${name}_$tool.log" | tail -n 1))"
+          [ "$rc" != 0 ] && head -c 200000 "/tmp/sanitize_${name}_$tool.log" >"$OUT/${name}_$tool.log"
         done
       fi
     fi
