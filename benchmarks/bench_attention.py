@@ -10,7 +10,7 @@ Shapes: batch * seqlen = 16384 tokens, hidden 2048 (heads = 2048 / head_dim), he
     python benchmarks/bench_attention.py --head-dims 128 --seqlens 4k --causal true --ops fwd
     python benchmarks/bench_attention.py --merge benchmarks/results/h200.json --from-json out.json
                                                               # merge a device run's rows; no GPU needed
-    python benchmarks/bench_attention.py --from-json benchmarks/results/h200.json --markdown readme --update-doc README.md
+    python benchmarks/bench_attention.py --from-json benchmarks/results/h200_fa4.json --markdown readme --update-doc README.md
                                                               # refresh the README's table; no GPU needed
     python benchmarks/bench_attention.py --impls flash_ext,flash_ext_sm80 --ops fwd
                                                               # the sm80 kernels beside the sm90 ones on Hopper
@@ -315,7 +315,7 @@ def format_table(rows, impls=None):
 # ---------------------------------------------------------------------------------------------
 # Markdown tables for the docs (README.md, docs/performance.md), from a results JSON
 
-README_IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn")
+README_IMPLS = ("flash_ext", "sdpa_flash", "sdpa_cudnn", "fa4")  # those of them in the rows
 README_OPS = ("fwd", "bwd")
 README_SEQLENS = (2048, 8192, 16384)
 IMPL_TITLES = {"flash_ext": "flash_ext", "sdpa_flash": "SDPA FA2", "sdpa_cudnn": "SDPA cuDNN",
@@ -354,8 +354,8 @@ def run_line(meta, rows):
 
 
 def format_markdown(rows, meta, style):
-    """Markdown of the rows. readme: one table, fwd and bwd TFLOP/s at seqlen 2k / 8k / 16k for flash_ext,
-    SDPA FA2 and SDPA cuDNN, and flash_ext's ratio to each; full: one table per (op, case, dtype), every
+    """Markdown of the rows. readme: one table, fwd and bwd TFLOP/s at seqlen 2k / 8k / 16k for flash_ext
+    and those of SDPA FA2, SDPA cuDNN and FA4 in the rows, and flash_ext's ratio to each; full: one table per (op, case, dtype), every
     seqlen and impl in the rows."""
     dense = [r for r in rows if r.get("case", "dense") == "dense"]
     cells = {(r["op"], r.get("dtype", "bf16"), r["head_dim"], bool(r["causal"]), r["seqlen_q"], r["impl"]): r
@@ -364,12 +364,12 @@ def format_markdown(rows, meta, style):
     if style == "readme":
         used = [r for r in dense if r["op"] in README_OPS and r["impl"] in README_IMPLS
                 and r["seqlen_q"] in README_SEQLENS and r.get("dtype", "bf16") == "bf16"]
-        missing = [i for i in README_IMPLS if not any(r["impl"] == i for r in used)]
+        impls = ["flash_ext"] + [i for i in README_IMPLS[1:] if any(r["impl"] == i for r in used)]
         seqs = " / ".join(seqlen_label(s) for s in README_SEQLENS)
         lines.append(f"bf16 TFLOP/s at seqlen {seqs} ({run_line(meta, used)}):")
         lines.append("")
-        head = ["op", "head dim", "causal"] + [IMPL_TITLES[i] for i in README_IMPLS]
-        head += [f"flash_ext / {IMPL_TITLES[i].replace('SDPA ', '')}" for i in README_IMPLS[1:]]
+        head = ["op", "head dim", "causal"] + [IMPL_TITLES[i] for i in impls]
+        head += [f"flash_ext / {IMPL_TITLES[i].replace('SDPA ', '')}" for i in impls[1:]]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for op in README_OPS:
             for hd in sorted({r["head_dim"] for r in used}):
@@ -379,19 +379,16 @@ def format_markdown(rows, meta, style):
                         return r["tflops"] if r else None
 
                     cols = []
-                    for impl in README_IMPLS:
+                    for impl in impls:
                         vals = [value(impl, s) for s in README_SEQLENS]
                         cols.append(" / ".join("-" if v is None else f"{v:.0f}" for v in vals))
-                    for peer in README_IMPLS[1:]:
+                    for peer in impls[1:]:
                         ratios = []
                         for s in README_SEQLENS:
                             mine, theirs = value("flash_ext", s), value(peer, s)
                             ratios.append(f"{mine / theirs:.2f}" if mine and theirs else "-")
                         cols.append(" / ".join(ratios))
                     lines.append(f"| {op} | {hd} | {'yes' if causal else 'no'} | " + " | ".join(cols) + " |")
-        if missing:
-            lines.append("")
-            lines.append(f"Not in the results: {', '.join(IMPL_TITLES[i] for i in missing)}.")
         return "\n".join(lines)
 
     present = {r["impl"] for r in dense}
