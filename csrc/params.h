@@ -239,6 +239,9 @@ struct BwdParams : FwdParams {
   // the pieces' fp32 dK and dV sums meet (TailSplit), zeroed by the launcher. nullptr: no split.
   float* dkv_accum = nullptr;
   bool deterministic = false;
+  // deterministic = true on the sm90 dK/dV kernel: (batch, kv head) pairs per group of its tile order
+  // (BwdWalk::coords_of), set by its launcher.
+  int ordered_head_group = 1;
 };
 
 // The dK/dV kernel walks, per CTA, one (batch, kv head, key block)'s query blocks (its "walk"); the

@@ -43,6 +43,7 @@ cases = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal
     (1, 700, 300, 4, 2, 64, True),  # sm90 dK/dV at hd64: 6 blocks of 128 queries through its 2 buffers, GQA
     (1, 100, 2200, 8, 8, 64, False),  # sm90 dK/dV: 18 key blocks x 8 kv heads = 144 walks for <= 132 CTAs
     (1, 64, 3200, 16, 16, 64, False),  # sm90 dK/dV: 400 walks, ~3 per CTA (its buffers and tile slots reused)
+    (3, 4096, 300, 4, 1, 64, False),  # deterministic sm90 dK/dV: tiles in groups of 2 (batch, kv head) pairs, then 1
 ]
 # Cases run with the sm80 kernels on Hopper too (sm90_kernels(False)): the split walks are theirs.
 SM80_CASES = {(1, 512, 200, 4, 2, 128, False)}

@@ -80,6 +80,24 @@ def test_dense_bitwise_repeatable_lengths(seqlen_q, seqlen_k, causal):
     assert_repeatable(lambda: dense_gradients(q, k, v, dout, causal=causal, deterministic=True), runs=4)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tile_groups_with_a_partial_last_group(causal):
+    """The tile order takes (batch, kv head) pairs in groups of about 32k query rows (the launcher's
+    ordered_tile_group_width): GQA 8 / 2 at seqlen 2048 gives groups of 4 pairs, so 3 x 2 pairs make a group of
+    4 and one of 2. Repeatable, right, and dk / dv (each summed by one walk, in its own order) equal to the
+    default path's."""
+    q, k, v = make_qkv(3, 2048, 2048, 8, 2, 64, torch.bfloat16, device="cuda")
+    dout = torch.randn_like(q)
+    ordered = assert_repeatable(lambda: dense_gradients(q, k, v, dout, causal=causal, deterministic=True), runs=3)
+    default = dense_gradients(q, k, v, dout, causal=causal, deterministic=False)
+    for name, a, b in zip(("dq", "dk", "dv"), ordered, default):
+        if name != "dq":
+            assert torch.equal(a, b), name
+        bound = 4 * torch.finfo(torch.bfloat16).eps * b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= bound, name
+    check_gradients(q, k, v, causal=causal, dout=dout, deterministic=True)
+
+
 @pytest.mark.parametrize("feature", ["softcap", "alibi", "dropout"])
 def test_per_walk_variants_bitwise_repeatable(feature):
     """Softcap, ALiBi and dropout run the per-walk (non-persistent) kernel, which takes its tiles from a

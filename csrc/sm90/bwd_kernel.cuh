@@ -141,7 +141,8 @@ struct BwdSm90Tile {
 // One tile of the dK/dV kernel: the keys key_block kBlockN .. + kBlockN - 1 of one (batch, kv head), walked
 // over the (query head of the GQA group, query block) pairs, head-major, of the query blocks holding a row
 // that sees one of them. Tiles are numbered key block fastest, then kv head, then batch: the order in which
-// the dQ conversion expects sequences to finish (common/finished_walks.cuh).
+// the dQ conversion expects sequences to finish (common/finished_walks.cuh); deterministic, in groups of
+// (batch, kv head) pairs instead (coords_of), whose sequences finish later.
 template <typename Tile, bool kOrdered>
 struct BwdWalk {
   int key_block, kv_head, batch;
@@ -157,16 +158,34 @@ struct BwdWalk {
   int heads_per_kv;
   int64_t sequence_accum_row;  // row 0 of this sequence in the dQ accumulator's and row_stats' numbering
 
-  // The key block of `tile`: ordered (deterministic), a (batch, kv head)'s tiles take its key blocks from the
-  // last one down (the order of common/ordered_dq.cuh).
-  __device__ __forceinline__ static int key_block_of(int tile, int key_blocks) {
-    const int block = tile % key_blocks;
-    return kOrdered ? key_blocks - 1 - block : block;
+  // The (key block, kv head, batch) of `tile`. Unordered: key block fastest, then kv head, then batch.
+  // Ordered (deterministic): the (batch, kv head) pairs in groups of params.ordered_head_group (the launcher's
+  // ordered_tile_group_width), a group's tiles taking key blocks from the last one down, pair fastest. A walk
+  // waits at each query block for the walk of the key block above it (common/ordered_dq.cuh), which was taken
+  // a group's width of tiles before it: taken together (width 1), a head's walks trail one another in a chain
+  // of waits; deterministic bwd at width 1 was 0.50-0.75x the default at hd256 and at hd64 without a mask.
+  struct Coords {
+    int key_block, kv_head, batch;
+  };
+  __device__ __forceinline__ static Coords coords_of(int tile, int key_blocks, const BwdParams& params) {
+    if constexpr (kOrdered) {
+      const int pairs = params.heads_kv * params.batch;
+      const int group_width = params.ordered_head_group;
+      const int group = tile / (key_blocks * group_width);
+      const int in_group = tile - group * key_blocks * group_width;
+      const int width = min(group_width, pairs - group * group_width);
+      const int pair = group * group_width + in_group % width;
+      return {key_blocks - 1 - in_group / width, pair % params.heads_kv, pair / params.heads_kv};
+    } else {
+      return {tile % key_blocks, tile / key_blocks % params.heads_kv, tile / key_blocks / params.heads_kv};
+    }
   }
   __device__ __forceinline__ BwdWalk(const BwdParams& params, int tile, int key_blocks)
-      : key_block(key_block_of(tile, key_blocks)),
-        kv_head(tile / key_blocks % params.heads_kv),
-        batch(tile / key_blocks / params.heads_kv),
+      : BwdWalk(params, coords_of(tile, key_blocks, params)) {}
+  __device__ __forceinline__ BwdWalk(const BwdParams& params, Coords coords)
+      : key_block(coords.key_block),
+        kv_head(coords.kv_head),
+        batch(coords.batch),
         q_span(params.query_span(batch)),
         k_span(params.key_span(batch)),
         len_q(static_cast<int>(q_span.length)),
@@ -481,12 +500,11 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         named_barrier_arrive(kTileSlotFullBarrier + (round + 1) % 2, kHandoffThreads);
         if (leader) {
           if (next_tile < num_tiles && !params.is_varlen()) {
-            const int key_row = BwdWalk<Tile, kOrderedDq>::key_block_of(next_tile, key_blocks) * kBlockN;
-            const int kv_head_next = next_tile / key_blocks % params.heads_kv;
-            const int batch_next = next_tile / key_blocks / params.heads_kv;
+            const auto next = Walk::coords_of(next_tile, key_blocks, params);
+            const int key_row = next.key_block * kBlockN;
             for (int c = 0; c < Tile::kColumnRegions; ++c) {
-              tma_prefetch_l2_4d(&maps.k, c * 64, key_row, kv_head_next, batch_next);
-              tma_prefetch_l2_4d(&maps.v, c * 64, key_row, kv_head_next, batch_next);
+              tma_prefetch_l2_4d(&maps.k, c * 64, key_row, next.kv_head, next.batch);
+              tma_prefetch_l2_4d(&maps.v, c * 64, key_row, next.kv_head, next.batch);
             }
           }
         }
