@@ -6,8 +6,9 @@
 // highest key block down. That is the order in which they arrive when started together: a higher key block's
 // walk starts at a later query block (band masks grow with the row), so it reaches any given query block in an
 // earlier step (causal or windowed), or in the same step (no mask). The kernel hands out a head's tiles from its
-// last key block down too, so a walk only ever waits for walks taken before it, held by CTAs that are running
-// (persistent CTAs are resident together; the per-walk variant takes its tile from a counter): no deadlock.
+// last key block down too (in groups of heads, BwdWalk::coords_of), so a walk only ever waits for walks taken
+// before it, held by CTAs that are running (persistent CTAs are resident together; the per-walk variant takes its
+// tile from a counter): no deadlock.
 //
 // Turns: ints in BwdParams::dq_turns, zeroed by the preprocess. After adding its terms, key block n stores
 // n + 1 in the turn; key block n waits until it holds n + 2 (key block n + 1 sees the query block) or 0 (none
