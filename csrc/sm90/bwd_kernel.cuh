@@ -267,18 +267,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   constexpr bool kStepsInOrder = kHeadDim == 128;
   constexpr int kDqParts = kPersistent && (!kStepsInOrder || kOrderedDq) ? 2 : 1;
   constexpr int kNTilesDq = Tile::kDqCols / kDqParts / 8;
-  // kDqByWriter (the plain persistent kernels at head_dim 64 and 128): the consumers store each step's dQ in the
-  // accumulator's layout to shared memory (a warpgroup's 64 rows x 64 columns, 8 row groups of 2 KB: at hd128 8
-  // runs 4 KB apart in global memory, at hd64 one 16 KB run), staged in the warpgroup's Pᵀ buffer, which these
-  // steps leave unused; a warp of the producer warpgroup (the dQ writer) adds them to the accumulator with bulk
-  // reductions, as FlashAttention-4 does: a consumer waits only until the writer has read its previous step's
-  // dQ. (Staged by each warp and reduced by its lane 0 instead, the consumers waited for the reads themselves:
-  // -3 to -5%, design.md §7.)
-  constexpr bool kDqByWriter = (kStepsInOrder || Tile::kGradsFromRegisters) && kPersistent && !kOrderedDq;
-  constexpr int kDqRowGroupBytes = Tile::kDqCols * DqAccumLayout::kTileRows * 4;  // 8 rows of a warpgroup's dQ
-  constexpr int kDqRuns = Tile::kDqCols == kHeadDim ? 1 : 8;  // contiguous runs of its 64 rows
-  constexpr int kDqRunBytes = 8 * kDqRowGroupBytes / kDqRuns;
-  static_assert(!kDqByWriter || 8 * kDqRowGroupBytes <= Tile::kDsBytes, "a warpgroup's dQ fits in its Pᵀ buffer");
 
   // Declared 1024-byte aligned, the period of the 128-byte swizzle (computed from absolute addresses), so
   // that no slack is needed to align it (at hd64 with 128-query steps the tiles take all but 32 bytes of
@@ -303,16 +291,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
   // step g's dQ added (8 warps), in slot g % 2.
   auto bar_turn_granted = [&](int g, int part) { return bar_v_empty + 8 * (1 + 2 * part + g % 2); };
   auto bar_dq_added = [&](int g, int part) { return bar_v_empty + 8 * (5 + 2 * part + g % 2); };
-  // The dQ writer's (kDqByWriter), in the turn keepers' places: per warpgroup, a step's dQ staged (its 4 warps
-  // arrive) and read by the writer's reductions (the writer arrives); and the warpgroup's slot, 16 bytes where
-  // bar_dq_added's are: where to add the staged dQ (nullptr: the CTA has no more) and the (batch, kv head) whose
-  // finished walks to count once the reductions completed (-1: none), written by the warpgroup's first thread.
-  auto bar_dq_staged = [&](int group) { return bar_v_empty + 8 * (1 + group); };
-  auto bar_dq_read = [&](int group) { return bar_v_empty + 8 * (3 + group); };
-  auto dq_slot = [&](int group) {
-    return reinterpret_cast<void**>(smem + Tile::kBarrierOffset + 8 * (2 + kStages) + 8 * (5 + 2 * group));
-  };
-  auto dq_slot_counter = [&](int group) -> int& { return *reinterpret_cast<int*>(dq_slot(group) + 1); };
   int* release_count = reinterpret_cast<int*>(smem + Tile::kCounterOffset);
 
   const int key_blocks = (params.seqlen_k + kBlockN - 1) / kBlockN;
@@ -369,12 +347,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
           mbarrier_init(bar_turn_granted(slot, part), 1);
           mbarrier_init(bar_dq_added(slot, part), Tile::kWarps);
         }
-      }
-    }
-    if constexpr (kDqByWriter) {
-      for (int group = 0; group < 2; ++group) {
-        mbarrier_init(bar_dq_staged(group), Tile::kWarps / 2);
-        mbarrier_init(bar_dq_read(group), 1);
       }
     }
     mbarrier_init_fence();
@@ -474,40 +446,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
           }
           pass_turn();
           return;
-        }
-      }
-      if constexpr (kDqByWriter) {
-        if (threadIdx.x / 32 == Tile::kWarps + 1) {
-          // ---- dQ writer: warp 9, whose lane 0 issues. Per step, either warpgroup's staged dQ added to the
-          // accumulator (kDqRuns bulk reductions), the warpgroup let stage the next once they have read it, and a
-          // walk counted for the dQ conversion once its reductions completed. It follows the consumers through
-          // their slots alone (no walk of its own: the producer warpgroup has 24 registers).
-          constexpr int kRunStride = DqAccumLayout::row_group_stride(kHeadDim);
-          const bool writer = threadIdx.x % 32 == 0;
-          for (uint32_t g = 0;; ++g) {
-            for (int group = 0; group < 2; ++group) {
-              mbarrier_wait(bar_dq_staged(group), g & 1);
-              float* runs = static_cast<float*>(dq_slot(group)[0]);
-              if (runs == nullptr) {
-                if (writer) bulk_wait_writes();
-                return;
-              }
-              const int counter = dq_slot_counter(group);
-              if (writer) {
-#pragma unroll
-                for (int r = 0; r < kDqRuns; ++r) {
-                  bulk_reduce_add_f32(runs + r * kRunStride, smem_p(group) + r * kDqRunBytes, kDqRunBytes);
-                }
-                bulk_commit_and_wait_reads();
-                mbarrier_arrive(bar_dq_read(group));
-                if (counter >= 0) {
-                  bulk_wait_writes();
-                  count_finished_walk(&params.dkdv_finished[kFinishedCounterStride * counter]);
-                }
-              }
-              __syncwarp();
-            }
-          }
         }
       }
       if (threadIdx.x / 32 != Tile::kWarps) return;
@@ -887,23 +825,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       turn_to_pass = -1;
     };
 
-    // kDqByWriter: before step i's dQ is staged (and at a point of the step where few registers are live), the
-    // writer's reads of step i - 1's staging awaited, and the warpgroup's slot filled by its first thread: the
-    // block's first run, and (the walk's last step, the second warpgroup, whose reductions the writer issues
-    // last) the (batch, kv head) whose walks to count.
-    auto prepare_dq_staging = [&](int i) {
-      if constexpr (kDqByWriter) {
-        // Lane 0 waits; __syncwarp orders the warp's staging writes after its acquire.
-        if (lane == 0) mbarrier_wait(bar_dq_read(group), static_cast<uint32_t>(steps_before + i + 1) & 1);
-        __syncwarp();
-        if (warp_in_group == 0 && lane == 0) {
-          const bool counts = group == 1 && i == walk.num_steps - 1 && walk.has_keys && params.dkdv_finished != nullptr;
-          dq_slot(group)[0] = params.dq_accum + dq_layout.tile_offset(dq_accum_row(i), step_head(i), dq_first_col);
-          dq_slot_counter(group) = counts ? walk.batch * params.heads_kv + walk.kv_head : -1;
-        }
-      }
-    };
-
     // Step i's completed dQ added to the fp32 accumulator. Rows past the sequence's end (dS = 0) are added
     // too: DqAccumLayout says where they land. Ordered: part 0 waits for the turn (the keeper's grant, or the
     // warp's own, seen: its early read), and after the last part the turn is the keeper's to pass (the warp's
@@ -916,38 +837,15 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       }
       if (ordered && part == 0) wait_for_dq_turn(dq_turn(i), walk.awaited_dq_turn(i), seen);
       const int64_t accum_row = dq_accum_row(i);
-      if constexpr (kDqByWriter) {
-        // This warp's row groups 2 warp_in_group and + 1 of the warpgroup's staging (prepare_dq_staging(i) came
-        // first), lane l's four floats of a tile at 16 l as in the accumulator; announced with the last part.
-        const uint32_t staging = smem_p(group) + warp_in_group * 2 * kDqRowGroupBytes + 16 * lane;
+      float* dq_accum_lane =
+          params.dq_accum + dq_layout.tile_offset(accum_row, step_head(i), dq_first_col + part * 8 * kNTilesDq) + 4 * lane;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < 2; ++half) {
 #pragma unroll
-          for (int pair = 0; pair < kNTilesDq / 2; ++pair) {
-            const int tile = part * kNTilesDq / 2 + pair;
-            store_shared_float4(staging + half * kDqRowGroupBytes + tile * DqAccumLayout::kTileFloats * 4,
-                                acc_dq[2 * pair][2 * half], acc_dq[2 * pair][2 * half + 1],
-                                acc_dq[2 * pair + 1][2 * half], acc_dq[2 * pair + 1][2 * half + 1]);
-          }
-        }
-      }
-      if (kDqByWriter && part == kDqParts - 1) {
-        fence_async_shared();  // the writes before the writer's reductions (the async proxy) read them
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(bar_dq_staged(group));
-      }
-      if constexpr (!kDqByWriter) {
-        float* dq_accum_lane = params.dq_accum +
-                               dq_layout.tile_offset(accum_row, step_head(i), dq_first_col + part * 8 * kNTilesDq) +
-                               4 * lane;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-          for (int pair = 0; pair < kNTilesDq / 2; ++pair) {
-            atomic_add_float4(dq_accum_lane + half * kRowGroupStride + pair * DqAccumLayout::kTileFloats,
-                              acc_dq[2 * pair][2 * half], acc_dq[2 * pair][2 * half + 1],
-                              acc_dq[2 * pair + 1][2 * half], acc_dq[2 * pair + 1][2 * half + 1]);
-          }
+        for (int pair = 0; pair < kNTilesDq / 2; ++pair) {
+          atomic_add_float4(dq_accum_lane + half * kRowGroupStride + pair * DqAccumLayout::kTileFloats,
+                            acc_dq[2 * pair][2 * half], acc_dq[2 * pair][2 * half + 1], acc_dq[2 * pair + 1][2 * half],
+                            acc_dq[2 * pair + 1][2 * half + 1]);
         }
       }
       if constexpr (kTurnKeeper) {
@@ -998,7 +896,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         wgmma_fence();
         issue_grad_from_registers(acc_dk, frag_ds, smem_q(stage));
         wgmma_commit();
-        prepare_dq_staging(i);
         wgmma_wait<1>();  // dV and dQ (its first part)
         register_fence(acc_dq);
         add_dq(i, acc_dq, 0, seen);
@@ -1037,7 +934,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
         register_fence(frag_p[0]);
         register_fence(frag_ds[0]);
         release_query_block(i);
-        prepare_dq_staging(i);
         if constexpr (decltype(has_next)::value) {
           issue_scores(i + 1, acc_s, acc_dp, false);
           wgmma_wait<1>();  // dQ part 0
@@ -1126,14 +1022,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     }
     register_fence(acc_dk);
     register_fence(acc_dv);
-    if constexpr (kDqByWriter) {
-      // The writer has read the walk's last dQ staging (the Pᵀ buffers) before dV is staged there.
-      if (num_steps > 0) {
-        const uint32_t parity = static_cast<uint32_t>(steps_before + num_steps + 1) & 1;
-        mbarrier_wait(bar_dq_read(0), parity);
-        mbarrier_wait(bar_dq_read(1), parity);
-      }
-    }
 
     // Every warp's wgmmas of this walk completed (its last wgmma_wait), so after this barrier (the consumers')
     // no warp reads the Pᵀ / dSᵀ buffers any more, and every warp has issued its dQ additions: from here on
@@ -1164,9 +1052,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
     // issues the stores: the count's release waits until the CTA's dQ additions are performed, and made by
     // thread 0 before the staging, that wait would delay the barrier (thread 32: window (1024, 0) GPU time
     // 904 -> 898 us, (1024, 1024) unchanged; H200, hd128, 16k, 2026-12-01).
-    // (kDqByWriter: a walk with steps is counted by the writer, once its reductions completed.)
-    const bool consumers_count = !kDqByWriter || num_steps == 0;
-    if (consumers_count && threadIdx.x == 0 && !(walk.has_keys && grads_by_tma)) count_walk();
+    if (threadIdx.x == 0 && !(walk.has_keys && grads_by_tma)) count_walk();
     if (walk.has_keys && grads_by_tma) {
       // 16 bits in K's layout, one stmatrix per 16 keys x 16 columns (as store_p_ds).
       auto stage_grad = [&](const float (&acc)[kNTilesGrad][4], float scale, uint32_t tile) {
@@ -1184,8 +1070,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       stage_grad(acc_dv, 1.f, smem_p(0));
       fence_async_shared();
       named_barrier_sync(kConsumerBarrier, Tile::kConsumerThreads);
-      // Thread 32 counts while thread 0 issues the stores and waits for their reads.
-      if (consumers_count && threadIdx.x == 32) count_walk();
+      if (threadIdx.x == 32) count_walk();  // while thread 0 issues the stores and waits for their reads
       if (threadIdx.x == 0) {
         const int key_row = static_cast<int>(walk.k_span.begin) + walk.first_key;
         const int tma_batch = params.is_varlen() ? 0 : batch;
@@ -1219,13 +1104,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<kHeadDim, kExtras>::kThreads, 1)
       }
     }
     tile = next_tile;
-  }
-  if constexpr (kDqByWriter) {
-    // The writer's end: a slot without runs, once it has read the last staging.
-    mbarrier_wait(bar_dq_read(group), static_cast<uint32_t>(steps_before + 1) & 1);
-    if (warp_in_group == 0 && lane == 0) dq_slot(group)[0] = nullptr;
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(bar_dq_staged(group));
   }
 #endif  // sm_90a
 }

@@ -86,24 +86,6 @@ __device__ __forceinline__ void bulk_commit_and_wait_reads() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
-// Adds `bytes` (a multiple of 16) of floats from shared memory into global memory, element by element in L2,
-// in this thread's current bulk group (both addresses 16-byte aligned).
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t smem_src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_src),
-               "r"(bytes)
-               : "memory");
-}
-// Waits until every bulk group this thread issued has completed, and orders their global writes (async proxy)
-// before this thread's later generic accesses (e.g. a release that another CTA acquires before reading them).
-__device__ __forceinline__ void bulk_wait_writes() {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-// One 16-byte store to shared memory.
-__device__ __forceinline__ void store_shared_float4(uint32_t address, float x, float y, float z, float w) {
-  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
-}
-
 // Asks the TMA unit to bring the same box into L2 only: no shared memory, no barrier, nothing to wait for.
 __device__ __forceinline__ void tma_prefetch_l2_4d(const void* tensor_map, int col, int row, int head, int batch) {
   asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(tensor_map), "r"(col),
