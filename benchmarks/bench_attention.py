@@ -355,8 +355,8 @@ def run_line(meta, rows):
 
 def format_markdown(rows, meta, style):
     """Markdown of the rows. readme: one table, fwd and bwd TFLOP/s at seqlen 2k / 8k / 16k for flash_ext
-    and those of SDPA FA2, SDPA cuDNN and FA4 in the rows, and flash_ext's ratio to each; full: one table per (op, case, dtype), every
-    seqlen and impl in the rows."""
+    and those of SDPA FA2, SDPA cuDNN and FA4 in the rows, and flash_ext's ratio to each; full: one table per
+    (op, case, dtype), every seqlen and impl in the rows."""
     dense = [r for r in rows if r.get("case", "dense") == "dense"]
     cells = {(r["op"], r.get("dtype", "bf16"), r["head_dim"], bool(r["causal"]), r["seqlen_q"], r["impl"]): r
              for r in dense if r["seqlen_q"] == r["seqlen_k"]}

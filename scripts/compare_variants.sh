@@ -24,8 +24,8 @@
 # TEST_VARIANTS (with --tests: a comma list of the versions whose tests run; default all), TEST_PATHS (with
 # --tests: the test files or directories, default tests: the whole CUDA suite takes ~4 min on an H200),
 # TEST_TIMEOUT_S (default 240), SANITIZE_TOOLS (default "memcheck racecheck"), SANITIZE_ARGS (sanitize.py's, e.g.
-# "--only forward"), SANITIZE_TIMEOUT_S (per tool, default 240; a failing tool's log comes back as $OUT/<name>_<tool>.log: a
-# call returns at most 8 files),
+# "--only forward"), SANITIZE_TIMEOUT_S (per tool, default 240; a failing tool's log comes back as
+# $OUT/<name>_<tool>.log: a call returns at most 8 files),
 # VARIANTS (a comma list of the .exp/ worktrees to measure beside the checkout;
 # default all of them), FEATURE_ARGS (more bench_features.py arguments, e.g. "--head-dim 64").
 set -uo pipefail
